@@ -1,0 +1,100 @@
+"""One typed config tree. Environment variables are read once, in `EnvSettings.read()`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from dataclasses import dataclass, field, fields
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    model: str = "smollm2-135m"
+    """A known name (smollm2-135m, gemma3-270m), an HF directory or a .gguf file."""
+    dtype: str = "float32"
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to the model's own."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 2 << 30
+    """KV budget in bytes, split between the KV groups by `kv.spec.size_kv_pools`."""
+    num_kv_blocks: int | None = None
+    """If set, every KV group gets exactly this many blocks (overrides the byte budget)."""
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str | None = None
+    """Storage dtype of the KV cache; defaults to the model dtype."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step: prefill chunks and decodes share it."""
+    max_model_len: int | None = None
+    """Defaults to the model's max_position_embeddings, capped by what the KV budget holds."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass
+class EnvSettings:
+    num_threads: int | None = None
+    log_level: str = "INFO"
+    cache_dir: Path = Path.home() / ".cache" / "baton"
+
+    @classmethod
+    def read(cls) -> EnvSettings:
+        threads = os.environ.get("BATON_NUM_THREADS")
+        return cls(
+            num_threads=int(threads) if threads else None,
+            log_level=os.environ.get("BATON_LOG_LEVEL", "INFO"),
+            cache_dir=Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton")),
+        )
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    env: EnvSettings = field(default_factory=EnvSettings.read)
+    seed: int = 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Build the tree from flat keyword arguments (`LLM(model=..., block_size=...)`)."""
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        parts: dict[str, dict] = {name: {} for name in sections}
+        seed = kwargs.pop("seed", 0)
+        for key, value in kwargs.items():
+            owner = next((s for s, c in sections.items() if key in {f.name for f in fields(c)}), None)
+            if owner is None:
+                known = sorted(f.name for c in sections.values() for f in fields(c))
+                raise TypeError(f"unknown engine setting {key!r}; known: {', '.join(known)}")
+            parts[owner][key] = value
+        return cls(**{s: c(**parts[s]) for s, c in sections.items()}, seed=seed)

@@ -1,0 +1,235 @@
+"""The offline engine: add requests, step until done. `step()` reads top to bottom:
+schedule -> run the model -> sample -> update requests, publish blocks, free what finished."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+
+import torch
+
+from baton.config import EngineConfig
+from baton.engine.request import Request
+from baton.engine.runner import ModelRunner
+from baton.engine.sampler import sample, top_logprobs
+from baton.engine.scheduler import Scheduler, SchedulerOutput
+from baton.kv.manager import KVManager
+from baton.kv.spec import KVSpec, size_kv_pools
+from baton.kv.storage import KVStorage
+from baton.models.loader import load_model
+from baton.outputs import CompletionOutput, RequestOutput
+from baton.sampling_params import SamplingParams
+from baton.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        if config.env.num_threads:
+            torch.set_num_threads(config.env.num_threads)
+        torch.manual_seed(config.seed)
+        dtype = getattr(torch, config.model.dtype)
+        loaded = load_model(config.model.model, dtype, progress=progress)
+        self.model, self.model_config = loaded.model, loaded.config
+        self.tokenizer = load_tokenizer(loaded.path, config.env.cache_dir, config.model.tokenizer)
+        cache, sched = config.cache, config.scheduler
+        kv_dtype = getattr(torch, cache.kv_cache_dtype or config.model.dtype)
+        mc = self.model_config
+        self.kv_spec = KVSpec.build(mc.layer_kinds, mc.num_kv_heads, mc.head_dim, cache.block_size)
+        if cache.num_kv_blocks is not None:
+            num_blocks = [cache.num_kv_blocks] * len(self.kv_spec.groups)
+        else:
+            num_blocks = size_kv_pools(
+                self.kv_spec, kv_dtype, cache.kv_cache_memory_bytes, sched.max_num_seqs, sched.max_num_batched_tokens
+            )
+        self.kv = KVManager(self.kv_spec, num_blocks, cache.enable_prefix_caching)
+        self.max_model_len = self._max_model_len()
+        self.storage = KVStorage(self.kv_spec, num_blocks, kv_dtype)
+        self.scheduler = Scheduler(sched, self.kv, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv, self.storage)
+        self.eos_token_ids = set(mc.eos_token_ids) | self._generation_eos(loaded.path)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.requests: dict[str, list[Request]] = {}  # request id -> its n samples
+        self._ids = itertools.count()
+        logger.info(
+            "KV cache: %s blocks of %d tokens per group (%s), %.1f MiB; max_model_len %d",
+            num_blocks, cache.block_size, ", ".join(f"{g.kind.name}x{len(g.layer_ids)}" for g in self.kv_spec.groups),
+            self.storage.nbytes() / 2**20, self.max_model_len,
+        )
+
+    def _max_model_len(self) -> int:
+        chunk = self.config.scheduler.max_num_batched_tokens
+        wanted = self.config.scheduler.max_model_len
+        if wanted is not None:
+            if not self.kv.can_ever_fit(wanted, chunk):
+                raise ValueError(
+                    f"max_model_len={wanted} needs {self.kv.max_request_blocks(wanted, chunk)} blocks per KV group, "
+                    f"but the KV budget gives {[p.num_blocks for p in self.kv.pools]}: "
+                    "raise kv_cache_memory_bytes / num_kv_blocks or lower max_model_len"
+                )
+            return wanted
+        length = self.model_config.max_position_embeddings
+        while length > 2 and not self.kv.can_ever_fit(length, chunk):
+            length //= 2  # default: the longest power-of-two fraction the KV holds
+        return length
+
+    @staticmethod
+    def _generation_eos(path) -> set[int]:
+        gen = path / "generation_config.json" if path.is_dir() else None
+        if gen is None or not gen.exists():
+            return set()
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    # ---- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
+        text, token_ids = self.tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        samples: list[Request] = []
+        for i in range(params.n):
+            req = Request(
+                f"{request_id}#{i}", token_ids, params, self.eos_token_ids, self.max_model_len, i,
+                leader=samples[0] if samples and self.kv.enable_prefix_caching else None, prompt=text,
+            )
+            samples.append(req)
+            self.scheduler.add(req)
+        self.requests[request_id] = samples
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        for req in self.requests.pop(request_id, []):
+            if not req.is_finished:
+                self.scheduler.finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.scheduled:
+            return []
+        out = self.runner.execute(batch)
+        for s in batch.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(s.request.request_id, s.request.token_ids, s.request.num_computed_tokens)
+        for rid, (a, b) in out.prompt_rows.items():
+            self._record_prompt_logprobs(next(s for s in batch.scheduled if s.request.request_id == rid), out.logits[a:b])
+        to_sample = [s.request for s in batch.scheduled if s.request.request_id in out.sample_rows]
+        if to_sample:
+            rows = torch.tensor([out.sample_rows[r.request_id] for r in to_sample])
+            result = sample(out.logits[rows], to_sample)
+            for i, req in enumerate(to_sample):
+                self._append_token(req, result.token_ids[i], result.logprobs[i], result.sampled_logprobs[i])
+        for s in batch.scheduled:
+            if not s.request.is_finished:
+                self.kv.remove_skipped_blocks(s.request.request_id, s.request.num_computed_tokens)
+        return self._outputs(batch)
+
+    def _record_prompt_logprobs(self, s, logits: torch.Tensor) -> None:
+        req = s.request
+        # row j predicts the token at position start + j + 1; keep prompt positions not yet recorded
+        targets = torch.tensor(req.token_ids[s.start + 1 : s.start + 1 + logits.shape[0]], dtype=torch.long)
+        keep = min(len(targets), req.num_prompt_tokens - len(req.prompt_logprobs))
+        first = len(req.prompt_logprobs) - (s.start + 1)
+        if keep <= 0 or first < 0:
+            return
+        lp = logits[first : first + keep].log_softmax(dim=1)
+        req.prompt_logprobs.extend(top_logprobs(lp, targets[first : first + keep], req.params.prompt_logprobs))
+
+    def _append_token(self, req: Request, token: int, logprobs, sampled_logprob: float) -> None:
+        req.token_ids.append(token)
+        if req.logprobs is not None:
+            req.logprobs.append(logprobs)
+            req.cumulative_logprob += sampled_logprob
+        p = req.params
+        if token in req.stop_token_ids:  # the sampler masks them until min_tokens
+            req.stop_reason = None if token in req.eos_token_ids else token
+            req.output_text = self._decode(req, req.output_token_ids[:-1])
+            self.scheduler.finish(req, "stop")
+            return
+        previous = len(req.output_text)
+        req.output_text = self._decode(req, req.output_token_ids)
+        if p.stop and req.num_output_tokens >= p.min_tokens:
+            longest = max(len(s) for s in p.stop)
+            start = max(0, previous - longest + 1)
+            hits = [(req.output_text.find(s, start), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                idx, stop = min(hits)
+                req.output_text = req.output_text[: idx + len(stop) if p.include_stop_str_in_output else idx]
+                req.stop_reason = stop
+                self.scheduler.finish(req, "stop")
+                return
+        if req.num_tokens >= req.max_len:
+            self.scheduler.finish(req, "length")
+
+    def _decode(self, req: Request, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=req.params.skip_special_tokens)
+
+    def _outputs(self, batch: SchedulerOutput) -> list[RequestOutput]:
+        touched = {s.request.request_id.rpartition("#")[0] for s in batch.scheduled}
+        touched |= {r.request_id.rpartition("#")[0] for r in batch.preempted}
+        outs = []
+        for rid in touched:
+            samples = self.requests.get(rid)
+            if samples is None:
+                continue
+            out = self.request_output(rid, samples)
+            if out.finished:
+                del self.requests[rid]
+            outs.append(out)
+        return outs
+
+    @staticmethod
+    def request_output(request_id: str, samples: list[Request]) -> RequestOutput:
+        first = samples[0]
+        return RequestOutput(
+            request_id=request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=[
+                CompletionOutput(
+                    index=r.index,
+                    text=r.output_text,
+                    token_ids=list(r.output_token_ids),
+                    cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
+                    logprobs=r.logprobs,
+                    finish_reason=r.finish_reason,
+                    stop_reason=r.stop_reason,
+                )
+                for r in samples
+            ],
+            finished=all(r.is_finished for r in samples),
+            num_cached_tokens=first.num_cached_tokens,
+        )

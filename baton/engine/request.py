@@ -1,0 +1,88 @@
+"""One sequence's state as it moves through the scheduler."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from baton.outputs import PositionLogprobs
+from baton.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """A sequence: the prompt, the tokens generated so far, and how much of it the KV holds.
+
+    `token_ids` is prompt + output; positions [0, num_computed_tokens) have KV in the cache.
+    For n > 1 each sample is its own Request; the later ones wait for `leader` to finish
+    its prompt, then find that prompt's blocks in the prefix cache.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        index: int = 0,
+        leader: Request | None = None,
+        prompt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.index = index
+        self.leader = leader
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # the prefix-cache hit of the first schedule
+        self.max_len = min(max_model_len, self.num_prompt_tokens + params.max_tokens)
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.eos_token_ids = set() if params.ignore_eos else eos_token_ids
+        self.stop_token_ids = set(params.stop_token_ids) | self.eos_token_ids
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.cumulative_logprob = 0.0
+        self.output_text = ""
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed + index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        return self.prompt_logprobs is not None and self.num_computed_tokens < self.num_prompt_tokens
+
+    def ready_to_schedule(self) -> bool:
+        """n > 1 samples after the first wait until the first has computed the shared prompt."""
+        lead = self.leader
+        return lead is None or lead.is_finished or lead.num_computed_tokens >= lead.num_prompt_tokens

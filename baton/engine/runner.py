@@ -1,0 +1,107 @@
+"""Turn a scheduled batch into tensors (positions, slot mappings, KV read indices) and run it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from baton.engine.scheduler import SchedulerOutput
+from baton.kv.manager import KVManager
+from baton.kv.spec import KVGroup
+from baton.kv.storage import KVStorage
+from baton.models.layers import GroupAttnMetadata, PrefillSeq
+from baton.models.llama import ForwardContext
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [rows, vocab] float32
+    sample_rows: dict[str, int]  # request id -> row of its next-token logits
+    prompt_rows: dict[str, tuple[int, int]]  # request id -> rows [start, end) of its chunk's logits
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv: KVManager, storage: KVStorage) -> None:
+        self.model = model
+        self.kv = kv
+        self.storage = storage
+        self.block_size = kv.block_size
+
+    def _group_metadata(self, group: KVGroup, batch: SchedulerOutput) -> GroupAttnMetadata:
+        bs = self.block_size
+        window = group.kind.window if group.kind.is_sliding else None
+        slot_parts, decode_rows, prefills = [], [], []
+        row = 0
+        for s in batch.scheduled:
+            table = np.asarray(self.kv.block_tables[s.request.request_id][group.group_id], dtype=np.int64)
+            end = s.start + s.num_new_tokens
+            kv_start = 0 if window is None else max(0, s.start - window + 1)
+            kv_pos = np.arange(kv_start, end)
+            kv_slots = table[kv_pos // bs] * bs + kv_pos % bs
+            slot_parts.append(kv_slots[s.start - kv_start :])
+            if s.num_new_tokens == 1:
+                decode_rows.append(kv_slots)
+            elif s.start == 0:
+                mask = None
+                if window is not None and s.num_new_tokens > window:
+                    q_pos = np.arange(s.num_new_tokens)
+                    mask = _attend_mask(q_pos, q_pos, window)
+                prefills.append(PrefillSeq(row, row + s.num_new_tokens, None, mask))
+            else:
+                q_pos = np.arange(s.start, end)
+                prefills.append(
+                    PrefillSeq(row, row + s.num_new_tokens, torch.from_numpy(kv_slots), _attend_mask(q_pos, kv_pos, window))
+                )
+            row += s.num_new_tokens
+        decode_slots = decode_mask = None
+        if decode_rows:
+            width = max(len(r) for r in decode_rows)
+            slots = np.zeros((len(decode_rows), width), dtype=np.int64)
+            valid = np.zeros((len(decode_rows), 1, 1, width), dtype=bool)
+            for i, r in enumerate(decode_rows):
+                slots[i, : len(r)] = r
+                valid[i, 0, 0, : len(r)] = True
+            decode_slots, decode_mask = torch.from_numpy(slots), torch.from_numpy(valid)
+        return GroupAttnMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)),
+            num_decodes=len(decode_rows),
+            decode_kv_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> ModelOutput:
+        input_ids, positions, logit_rows = [], [], []
+        sample_rows: dict[str, int] = {}
+        prompt_rows: dict[str, tuple[int, int]] = {}
+        row = 0
+        for s in batch.scheduled:
+            req, end = s.request, s.start + s.num_new_tokens
+            input_ids.extend(req.token_ids[s.start : end])
+            positions.append(np.arange(s.start, end))
+            if req.needs_prompt_logits:
+                prompt_rows[req.request_id] = (len(logit_rows), len(logit_rows) + s.num_new_tokens)
+                logit_rows.extend(range(row, row + s.num_new_tokens))
+                if end == req.num_tokens:
+                    sample_rows[req.request_id] = len(logit_rows) - 1
+            elif end == req.num_tokens:
+                sample_rows[req.request_id] = len(logit_rows)
+                logit_rows.append(row + s.num_new_tokens - 1)
+            row += s.num_new_tokens
+        ctx = ForwardContext(self.storage, [self._group_metadata(g, batch) for g in self.kv.spec.groups])
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)), ctx
+        )
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, dtype=torch.long)]).float()
+        return ModelOutput(logits, sample_rows, prompt_rows)
+
+
+def _attend_mask(q_pos: np.ndarray, kv_pos: np.ndarray, window: int | None) -> torch.Tensor:
+    """[q, kv] bool: causal, and inside the window for a sliding layer."""
+    visible = kv_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= kv_pos[None, :] > q_pos[:, None] - window
+    return torch.from_numpy(visible)

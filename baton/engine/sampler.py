@@ -1,0 +1,110 @@
+"""Logits to tokens: penalties, min_tokens, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+
+Every operation is row-wise, so a request's token never depends on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from baton.engine.request import Request
+from baton.outputs import Logprob, PositionLogprobs
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]
+    sampled_logprobs: list[float]
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[PositionLogprobs]:
+    """Per row: the n most likely tokens and the chosen one, with ranks ([rows, vocab] log-probs)."""
+    chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1)
+    ranks = (logprobs > chosen_lp[:, None]).sum(1) + 1
+    top_lp, top_ids = logprobs.topk(n, dim=1) if n else (None, None)
+    out = []
+    for i in range(logprobs.shape[0]):
+        entry = {}
+        if n:
+            for r, (tid, lp) in enumerate(zip(top_ids[i].tolist(), top_lp[i].tolist())):
+                entry[tid] = Logprob(lp, r + 1)
+        entry.setdefault(int(chosen[i]), Logprob(float(chosen_lp[i]), int(ranks[i])))
+        out.append(entry)
+    return out
+
+
+def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
+    vocab = logits.shape[1]
+    for i, req in enumerate(reqs):
+        p = req.params
+        if not p.uses_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool)
+            seen[torch.tensor(req.token_ids, dtype=torch.long)] = True
+            row = logits[i]
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[i] = torch.where(seen, penalized, row)
+        if p.presence_penalty or p.frequency_penalty:
+            counts = torch.bincount(torch.tensor(req.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _apply_filters(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Top-k, top-p and min-p, applied to already temperature-scaled logits."""
+    sorted_logits, sorted_ids = logits.sort(dim=1, descending=True)
+    probs = sorted_logits.softmax(dim=1)
+    cum = probs.cumsum(dim=1)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    for i, req in enumerate(reqs):
+        p = req.params
+        if p.top_k > 0:
+            drop[i, p.top_k :] = True
+        if p.top_p < 1.0:
+            drop[i] |= (cum[i] - probs[i]) >= p.top_p  # keep the smallest prefix reaching top_p
+        if p.min_p > 0.0:
+            drop[i] |= probs[i] < p.min_p * probs[i, 0]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
+    """`logits`: [len(reqs), vocab] float32, one row per request that takes a token this step."""
+    raw_logprobs = None
+    if any(r.logprobs is not None for r in reqs):
+        raw_logprobs = logits.log_softmax(dim=1)
+    logits = logits.clone()
+    if any(r.params.uses_penalties for r in reqs):
+        _apply_penalties(logits, reqs)
+    for i, req in enumerate(reqs):
+        if req.num_output_tokens < req.params.min_tokens and req.stop_token_ids:
+            logits[i, list(req.stop_token_ids)] = float("-inf")
+    chosen = logits.argmax(dim=1)
+    random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows)
+        sub = [reqs[i] for i in random_rows]
+        temps = torch.tensor([r.params.temperature for r in sub], dtype=logits.dtype)[:, None]
+        scaled = logits[idx] / temps
+        if any(r.params.uses_filters for r in sub):
+            scaled = _apply_filters(scaled, sub)
+        probs = scaled.softmax(dim=1)
+        # Exponential race (argmax p / E, E ~ Exp(1)) is a draw from p; each seeded request
+        # draws its own noise, so its tokens do not depend on the rest of the batch.
+        noise = torch.empty_like(probs)
+        for j, r in enumerate(sub):
+            noise[j].exponential_(generator=r.generator)
+        chosen[idx] = (probs / noise).argmax(dim=1)
+    sampled_lp = [0.0] * len(reqs)
+    position_logprobs: list[PositionLogprobs | None] = [None] * len(reqs)
+    if raw_logprobs is not None:
+        rows = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+        for i in rows:
+            entry = top_logprobs(raw_logprobs[i : i + 1], chosen[i : i + 1], reqs[i].params.logprobs)[0]
+            position_logprobs[i] = entry
+            sampled_lp[i] = entry[int(chosen[i])].logprob
+    return SampleResult(chosen.tolist(), position_logprobs, sampled_lp)

@@ -1,0 +1,115 @@
+"""Continuous batching: running requests first (decodes and prefill chunks), then new ones,
+all under one token budget per step; preempt the newest request when KV runs out."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from baton.config import SchedulerConfig
+from baton.engine.request import Request, RequestStatus
+from baton.kv.manager import KVManager
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int  # num_computed_tokens when scheduled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            scheduled = True
+            while not self.kv.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
+            budget -= num_new
+            i += 1
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # decodes first: the runner batches them
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            if not req.ready_to_schedule():
+                skipped.append(req)
+                continue
+            cached = 0
+            if req.num_computed_tokens == 0 and req.prompt_logprobs is None:
+                cached = self.kv.find_cached_prefix(req.request_id, req.token_ids)
+            num_new = min(req.num_tokens - cached, budget)
+            if not self.kv.allocate_slots(req.request_id, req.token_ids, 0, num_new, cached):
+                self.waiting.appendleft(req)
+                break
+            if req.num_preemptions == 0:
+                self.prefix_queried_tokens += req.num_tokens
+                self.prefix_hit_tokens += cached
+                req.num_cached_tokens = cached
+            req.num_computed_tokens = cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new, cached))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-style: drop its KV (the prefix cache may keep it) and requeue it first."""
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Remove a request wherever it is and give its blocks back."""
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.request_id)

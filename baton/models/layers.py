@@ -1,0 +1,123 @@
+"""Building blocks shared by the model families: norms, rotary embedding, paged attention."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.models.model_config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    """`offset=1.0` gives Gemma's (1 + w) scaling computed in float32 before the cast back."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim), requires_grad=False)
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class Rotary(nn.Module):
+    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+        super().__init__()
+        # A plain float32 attribute, not a buffer: built on the CPU even under a meta-device
+        # context, and left alone by dtype casts (transformers also keeps it in float32).
+        self.inv_freq = rope_inv_freq(rope, head_dim)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class PrefillSeq:
+    """One request's chunk of queries: token rows [q_start, q_end) of the flat batch."""
+
+    q_start: int
+    q_end: int
+    kv_slots: torch.Tensor | None  # None: the chunk is the whole context, read K/V from the batch
+    mask: torch.Tensor | None  # [q, kv] bool (True = attend); None means plain causal
+
+
+@dataclass
+class GroupAttnMetadata:
+    """How one KV group's layers read and write the cache in this step."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] slot each new token's K/V is written to
+    num_decodes: int  # the first num_decodes rows of the batch are single-token decodes
+    decode_kv_slots: torch.Tensor | None  # [num_decodes, max_kv] slots each decode reads
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_kv] bool
+    prefills: list[PrefillSeq]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: GroupAttnMetadata,
+    scale: float,
+) -> torch.Tensor:
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    nd = meta.num_decodes
+    if nd:
+        kd = k_cache[meta.decode_kv_slots].to(q.dtype).transpose(1, 2)
+        vd = v_cache[meta.decode_kv_slots].to(q.dtype).transpose(1, 2)
+        od = F.scaled_dot_product_attention(
+            q[:nd].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
+        )
+        out[:nd] = od.squeeze(2)
+    for p in meta.prefills:
+        qp = q[p.q_start : p.q_end].transpose(0, 1)
+        if p.kv_slots is None:  # read what the cache holds, so a narrower KV dtype rounds alike
+            kp = k[p.q_start : p.q_end].to(k_cache.dtype).to(q.dtype).transpose(0, 1)
+            vp = v[p.q_start : p.q_end].to(v_cache.dtype).to(q.dtype).transpose(0, 1)
+        else:
+            kp = k_cache[p.kv_slots].to(q.dtype).transpose(0, 1)
+            vp = v_cache[p.kv_slots].to(q.dtype).transpose(0, 1)
+        op = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa
+        )
+        out[p.q_start : p.q_end] = op.transpose(0, 1)
+    return out

@@ -1,0 +1,153 @@
+"""Llama and its close relatives: Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k norm)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.kv.storage import KVStorage
+from baton.models.layers import GroupAttnMetadata, RMSNorm, Rotary, apply_rotary, paged_attention
+from baton.models.model_config import TextModelConfig
+
+
+@dataclass
+class ForwardContext:
+    storage: KVStorage
+    groups: list[GroupAttnMetadata]
+
+    def for_layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, GroupAttnMetadata]:
+        k_cache, v_cache = self.storage.layer(layer_id)
+        return k_cache, v_cache, self.groups[self.storage.spec.layer_to_group[layer_id][0]]
+
+
+class Attention(nn.Module):
+    """Fused qkv projection (one matmul instead of three), optional q/k norm, paged KV."""
+
+    def __init__(self, cfg: TextModelConfig, layer_id: int, norm_offset: float = 0.0) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, norm_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, norm_offset) if cfg.qk_norm else None
+        self.kind = cfg.layer_kinds[layer_id].name
+        self.scale = cfg.attn_scale
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache, v_cache, meta = ctx.for_layer(self.layer_id)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg: TextModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id)
+        self.mlp = GatedMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: dict, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope[self.self_attn.kind], ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Mistral, Qwen2 and Qwen3: their differences are config flags."""
+
+    layer_cls = LlamaDecoderLayer
+    norm_offset = 0.0
+
+    def __init__(self, cfg: TextModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([self.layer_cls(cfg, i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = nn.ModuleDict({kind: Rotary(rope, cfg.head_dim) for kind, rope in cfg.rope.items()})
+        self.requires_grad_(False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed(input_ids)
+        kinds = {layer.self_attn.kind for layer in self.layers}
+        rope = {kind: self.rotary[kind](positions, x.dtype) for kind in kinds}
+        for layer in self.layers:
+            x = layer(x, rope, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight)
+        if self.cfg.final_logit_softcapping:
+            cap = self.cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # ---- weights: HF names in, fused parameters out --------------------------------------------
+    _UNFUSED = {
+        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    }
+
+    def _shard_rows(self, fused: str) -> list[int]:
+        if fused == "self_attn.qkv_proj":
+            return list(self.layers[0].self_attn.sizes)
+        return [self.cfg.intermediate_size] * 2
+
+    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every HF checkpoint name this model needs, with its shape."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, p in self.named_parameters():
+            hf = name if name.startswith("lm_head.") else f"model.{name}"
+            fused = next((f for f in self._UNFUSED if f".{f}." in hf), None)
+            if fused is None:
+                shapes[hf] = tuple(p.shape)
+                continue
+            for part, rows in zip(self._UNFUSED[fused], self._shard_rows(fused)):
+                shapes[hf.replace(fused, part)] = (rows, *p.shape[1:])
+        return shapes
+
+    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
+        name = hf_name.removeprefix("model.")
+        for fused, parts in self._UNFUSED.items():
+            for shard, part in enumerate(parts):
+                if f".{part}." in name:
+                    rows = self._shard_rows(fused)
+                    start = sum(rows[:shard])
+                    param = self.get_parameter(name.replace(part, fused))
+                    param.data[start : start + rows[shard]].copy_(tensor)
+                    return
+        self.get_parameter(name).data.copy_(tensor)

