@@ -47,6 +47,10 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def prompt_logits(self, prompt: Prompt):
+        """The model's float32 logits at every prompt position (parity checks, scoring)."""
+        return self.engine.prompt_logits(prompt)
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],

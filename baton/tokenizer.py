@@ -11,10 +11,17 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(model_path: Path, cache_dir: Path, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_path: Path, cache_dir: Path, tokenizer: str | None = None) -> PreTrainedTokenizerBase | None:
+    """None for a model directory without tokenizer files: it then takes token-id prompts only."""
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(tokenizer)
     if model_path.suffix != ".gguf":
+        if not any((model_path / f).exists() for f in _TOKENIZER_FILES):
+            logger.warning("%s has no tokenizer: only token-id prompts are accepted", model_path)
+            return None
         return AutoTokenizer.from_pretrained(str(model_path))
     stat = model_path.stat()
     key = hashlib.sha256(f"{model_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -27,8 +34,8 @@ def load_tokenizer(model_path: Path, cache_dir: Path, tokenizer: str | None = No
     return tok
 
 
-def apply_chat_template(tok: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    if not getattr(tok, "chat_template", None):
+def apply_chat_template(tok: PreTrainedTokenizerBase | None, messages: list[dict]) -> list[int]:
+    if tok is None or not getattr(tok, "chat_template", None):
         raise ValueError("this model has no chat template; send a plain prompt instead")
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tok.encode(text, add_special_tokens=False)

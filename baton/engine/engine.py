@@ -53,7 +53,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.storage)
         self.eos_token_ids = set(mc.eos_token_ids) | self._generation_eos(loaded.path)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, list[Request]] = {}  # request id -> its n samples
         self._ids = itertools.count()
@@ -94,6 +94,8 @@ class LLMEngine:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             prompt = prompt.get("prompt")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]} instead of text")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list):
             return None, list(prompt)
@@ -155,8 +157,21 @@ class LLMEngine:
                 self.kv.remove_skipped_blocks(s.request.request_id, s.request.num_computed_tokens)
         return self._outputs(batch)
 
+    def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
+        """Float32 logits at every prompt position, computed by the ordinary scheduled path."""
+        rid = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        req = self.requests[rid][0]
+        req.prompt_logits = []
+        while not req.is_finished:
+            self.step()
+        return torch.cat(req.prompt_logits)
+
     def _record_prompt_logprobs(self, s, logits: torch.Tensor) -> None:
         req = s.request
+        if req.prompt_logits is not None and s.start == sum(t.shape[0] for t in req.prompt_logits):
+            req.prompt_logits.append(logits[: req.num_prompt_tokens - s.start].clone())
+        if req.prompt_logprobs is None:
+            return
         # row j predicts the token at position start + j + 1; keep prompt positions not yet recorded
         targets = torch.tensor(req.token_ids[s.start + 1 : s.start + 1 + logits.shape[0]], dtype=torch.long)
         keep = min(len(targets), req.num_prompt_tokens - len(req.prompt_logprobs))
@@ -194,6 +209,8 @@ class LLMEngine:
             self.scheduler.finish(req, "length")
 
     def _decode(self, req: Request, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=req.params.skip_special_tokens)
 
     def _outputs(self, batch: SchedulerOutput) -> list[RequestOutput]:

@@ -55,6 +55,7 @@ class Request:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None
         )
+        self.prompt_logits: list[torch.Tensor] | None = None  # kept only for LLMEngine.prompt_logits
         self.cumulative_logprob = 0.0
         self.output_text = ""
         self.num_preemptions = 0
@@ -80,7 +81,8 @@ class Request:
 
     @property
     def needs_prompt_logits(self) -> bool:
-        return self.prompt_logprobs is not None and self.num_computed_tokens < self.num_prompt_tokens
+        wants = self.prompt_logprobs is not None or self.prompt_logits is not None
+        return wants and self.num_computed_tokens < self.num_prompt_tokens
 
     def ready_to_schedule(self) -> bool:
         """n > 1 samples after the first wait until the first has computed the shared prompt."""

@@ -78,7 +78,7 @@ class Scheduler:
                 skipped.append(req)
                 continue
             cached = 0
-            if req.num_computed_tokens == 0 and req.prompt_logprobs is None:
+            if req.num_computed_tokens == 0 and not req.needs_prompt_logits:
                 cached = self.kv.find_cached_prefix(req.request_id, req.token_ids)
             num_new = min(req.num_tokens - cached, budget)
             if not self.kv.allocate_slots(req.request_id, req.token_ids, 0, num_new, cached):

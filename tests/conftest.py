@@ -1,0 +1,64 @@
+"""Shared fixtures: the real test models (baton and the transformers reference) load once per session."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from baton import LLM
+from baton.models.loader import resolve_model_path
+
+torch.set_num_threads(2)
+
+
+def _words(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    subjects = ["The engineer", "A small cat", "The river", "Our team", "The old library", "A train", "The market"]
+    verbs = ["watched", "carried", "described", "measured", "followed", "painted", "counted"]
+    objects = ["the morning light", "three red boxes", "a quiet song", "the long road", "every number", "the harbor"]
+    tails = ["before noon.", "with care.", "for the third time.", "near the station.", "and then rested."]
+    return " ".join(
+        f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(tails)}" for _ in range(n)
+    )
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Here is a list of the planets of the solar system, in order from the sun:",
+    "Translate to French: 'The weather is nice today.'\nFrench:",
+    "1, 2, 3, 5, 8, 13,",
+    "Once upon a time, in a village at the edge of a forest, there lived",
+    _words(1, 85) + " In summary,",  # ~820 tokens: longer than Gemma3's 512-token window
+    _words(2, 130) + " The next day,",  # ~1,260 tokens
+]
+
+
+def reference_model(name: str):
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LLM:
+    return LLM("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> LLM:
+    return LLM("gemma3-270m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_ref():
+    return reference_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_ref():
+    return reference_model("gemma3-270m")
