@@ -25,7 +25,7 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     block_size: int = 16
-    kv_cache_memory_bytes: int = 2 << 30
+    kv_cache_memory_bytes: int = 1 << 30
     """KV budget in bytes, split between the KV groups by `kv.spec.size_kv_pools`."""
     num_kv_blocks: int | None = None
     """If set, every KV group gets exactly this many blocks (overrides the byte budget)."""

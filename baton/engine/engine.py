@@ -34,7 +34,7 @@ class LLMEngine:
             torch.set_num_threads(config.env.num_threads)
         torch.manual_seed(config.seed)
         dtype = getattr(torch, config.model.dtype)
-        loaded = load_model(config.model.model, dtype, progress=progress)
+        loaded = load_model(config.model.model, dtype, config.env.cache_dir, progress=progress)
         self.model, self.model_config = loaded.model, loaded.config
         self.tokenizer = load_tokenizer(loaded.path, config.env.cache_dir, config.model.tokenizer)
         cache, sched = config.cache, config.scheduler
