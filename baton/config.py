@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
 

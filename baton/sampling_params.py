@@ -44,7 +44,11 @@ class SamplingParams:
             (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
             (
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 "prompt_logprobs",

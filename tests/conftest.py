@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from baton import LLM
+from baton.config import EnvSettings
 from baton.models.loader import resolve_model_path
 
 torch.set_num_threads(2)
@@ -26,7 +27,7 @@ def _words(seed: int, n: int) -> str:
 
 PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Here is a list of the planets of the solar system, in order from the sun:",
     "Translate to French: 'The weather is nice today.'\nFrench:",
     "1, 2, 3, 5, 8, 13,",
@@ -37,10 +38,16 @@ PROMPTS = [
 
 
 def reference_model(name: str):
+    """transformers' own model on the same GGUF weights, saved as an HF directory after the first
+    load (transformers parses and dequantizes the GGUF itself, which takes up to a minute)."""
     from transformers import AutoModelForCausalLM
 
+    saved = EnvSettings.read().cache_dir / "reference" / name
+    if (saved / "config.json").exists():
+        return AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
     path = resolve_model_path(name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.save_pretrained(str(saved))
     return model.eval()
 
 

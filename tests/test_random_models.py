@@ -9,8 +9,13 @@ import torch
 from baton import LLM, SamplingParams
 
 SMALL = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
 )
 
 

@@ -59,8 +59,11 @@ class LLMEngine:
         self._ids = itertools.count()
         logger.info(
             "KV cache: %s blocks of %d tokens per group (%s), %.1f MiB; max_model_len %d",
-            num_blocks, cache.block_size, ", ".join(f"{g.kind.name}x{len(g.layer_ids)}" for g in self.kv_spec.groups),
-            self.storage.nbytes() / 2**20, self.max_model_len,
+            num_blocks,
+            cache.block_size,
+            ", ".join(f"{g.kind.name}x{len(g.layer_ids)}" for g in self.kv_spec.groups),
+            self.storage.nbytes() / 2**20,
+            self.max_model_len,
         )
 
     def _max_model_len(self) -> int:
@@ -119,8 +122,14 @@ class LLMEngine:
         samples: list[Request] = []
         for i in range(params.n):
             req = Request(
-                f"{request_id}#{i}", token_ids, params, self.eos_token_ids, self.max_model_len, i,
-                leader=samples[0] if samples and self.kv.enable_prefix_caching else None, prompt=text,
+                f"{request_id}#{i}",
+                token_ids,
+                params,
+                self.eos_token_ids,
+                self.max_model_len,
+                i,
+                leader=samples[0] if samples and self.kv.enable_prefix_caching else None,
+                prompt=text,
             )
             samples.append(req)
             self.scheduler.add(req)
@@ -145,7 +154,9 @@ class LLMEngine:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_blocks(s.request.request_id, s.request.token_ids, s.request.num_computed_tokens)
         for rid, (a, b) in out.prompt_rows.items():
-            self._record_prompt_logprobs(next(s for s in batch.scheduled if s.request.request_id == rid), out.logits[a:b])
+            self._record_prompt_logprobs(
+                next(s for s in batch.scheduled if s.request.request_id == rid), out.logits[a:b]
+            )
         to_sample = [s.request for s in batch.scheduled if s.request.request_id in out.sample_rows]
         if to_sample:
             rows = torch.tensor([out.sample_rows[r.request_id] for r in to_sample])

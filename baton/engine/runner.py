@@ -52,7 +52,9 @@ class ModelRunner:
             else:
                 q_pos = np.arange(s.start, end)
                 prefills.append(
-                    PrefillSeq(row, row + s.num_new_tokens, torch.from_numpy(kv_slots), _attend_mask(q_pos, kv_pos, window))
+                    PrefillSeq(
+                        row, row + s.num_new_tokens, torch.from_numpy(kv_slots), _attend_mask(q_pos, kv_pos, window)
+                    )
                 )
             row += s.num_new_tokens
         decode_slots = decode_mask = None
@@ -92,9 +94,7 @@ class ModelRunner:
                 logit_rows.append(row + s.num_new_tokens - 1)
             row += s.num_new_tokens
         ctx = ForwardContext(self.storage, [self._group_metadata(g, batch) for g in self.kv.spec.groups])
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)), ctx
-        )
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)), ctx)
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, dtype=torch.long)]).float()
         return ModelOutput(logits, sample_rows, prompt_rows)
 

@@ -83,12 +83,12 @@ class KVManager:
         max_blocks = min(len(hashes), (len(token_ids) - 1) // self.block_size)
         full = [g for g in self.spec.groups if not g.kind.is_sliding]
         sliding = [g for g in self.spec.groups if g.kind.is_sliding]
-        k = 0
-        while k < max_blocks and all(self._lookup(g.group_id, k, hashes, token_ids) is not None for g in full):
-            k += 1
-        if not full:
-            k = max_blocks
-        for k in range(k, 0, -1):
+        full_hit = 0
+        while full_hit < max_blocks and all(
+            self._lookup(g.group_id, full_hit, hashes, token_ids) is not None for g in full
+        ):
+            full_hit += 1
+        for k in range(full_hit if full else max_blocks, 0, -1):
             end = k * self.block_size
             if all(
                 self._lookup(g.group_id, i, hashes, token_ids) is not None
@@ -134,7 +134,7 @@ class KVManager:
             reclaimed = sum(1 for b in hit_blocks[g.group_id] if pool.is_free(b))
             if num_new + reclaimed > pool.num_free:
                 return False
-            plans.append((have, first_needed, num_new))
+            plans.append((first_needed, num_new))
         if tables is None:
             tables = [[] for _ in self.spec.groups]
             self.block_tables[request_id] = tables
@@ -143,14 +143,16 @@ class KVManager:
                 for b in hit_blocks[g.group_id]:
                     self.pools[g.group_id].touch(b)
                 tables[g.group_id] = [NULL_BLOCK] * first + hit_blocks[g.group_id]
-        for g, (have, first_needed, num_new) in zip(self.spec.groups, plans):
+        for g, (first_needed, num_new) in zip(self.spec.groups, plans):
             table = tables[g.group_id]
             self._drop_before(g.group_id, table, first_needed)
             table.extend([NULL_BLOCK] * (first_needed - len(table)))
             table.extend(self.pools[g.group_id].allocate(num_new))
         return True
 
-    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, salt: bytes = b"") -> None:
+    def cache_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, salt: bytes = b""
+    ) -> None:
         """Publish the full blocks whose KV the last forward pass wrote."""
         if not self.enable_prefix_caching or request_id not in self.block_tables:
             return

