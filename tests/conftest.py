@@ -47,6 +47,9 @@ def reference_model(name: str):
         return AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
     path = resolve_model_path(name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are plain float32 now; transformers refuses to save "gguf" ones
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.save_pretrained(str(saved))
     return model.eval()
 
