@@ -70,3 +70,29 @@ def test_random_model_logits(tmp_path, case):
         assert abs(entry[tok].logprob - ref_lp[len(ids) - 1 + i, tok].item()) < 1e-4
         assert tok == ref_lp[len(ids) - 1 + i].argmax().item()
     assert llm.engine.kv.all_free()
+
+
+def test_bfloat16_checkpoint_served_in_float32_warns_once(tmp_path, caplog):
+    ref, path = make_model(tmp_path, "LlamaForCausalLM")
+    ref.to(torch.bfloat16).save_pretrained(path)
+    with caplog.at_level("WARNING"):
+        llm = LLM(str(path), progress=False, dtype="float32")
+    warnings = [r.message for r in caplog.records if "converting" in r.message]
+    assert len(warnings) == 1 and "bfloat16" in warnings[0] and "float32" in warnings[0]
+    ids = list(range(1, 12))
+    with torch.no_grad():
+        expected = ref.float()(torch.tensor([ids])).logits[0]
+    assert (llm.prompt_logits({"prompt_token_ids": ids}) - expected).abs().max() / expected.abs().max() < 1e-4
+
+
+def test_bfloat16_compute_and_bfloat16_kv_cache(tmp_path):
+    ref, path = make_model(tmp_path, "Qwen3ForCausalLM", head_dim=32)
+    ids = list(range(3, 30))
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    for settings in ({"dtype": "bfloat16"}, {"dtype": "float32", "kv_cache_dtype": "bfloat16"}):
+        llm = LLM(str(path), progress=False, block_size=4, max_num_batched_tokens=8, **settings)
+        got = llm.prompt_logits({"prompt_token_ids": ids})
+        assert got.dtype == torch.float32
+        assert (got - expected).abs().max() / expected.abs().max() < 3e-2, settings
+        assert llm.engine.storage.dtype == torch.bfloat16
