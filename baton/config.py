@@ -62,10 +62,30 @@ class SchedulerConfig:
 
 
 @dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    """Required as `Authorization: Bearer KEY` on /v1 routes when set (or BATON_API_KEY)."""
+    served_model_name: str | None = None
+    """The model name clients send; defaults to --model."""
+    max_request_bytes: int = 4 << 20
+    """Larger request bodies get 413."""
+    graceful_shutdown_s: int = 30
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_request_bytes < 1:
+            raise ValueError("max_request_bytes must be positive")
+
+
+@dataclass
 class EnvSettings:
     num_threads: int | None = None
     log_level: str = "INFO"
     cache_dir: Path = Path.home() / ".cache" / "baton"
+    api_key: str | None = None
 
     @classmethod
     def read(cls) -> EnvSettings:
@@ -74,6 +94,7 @@ class EnvSettings:
             num_threads=int(threads) if threads else None,
             log_level=os.environ.get("BATON_LOG_LEVEL", "INFO"),
             cache_dir=Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton")),
+            api_key=os.environ.get("BATON_API_KEY") or None,
         )
 
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from baton import LLM
-from baton.config import EnvSettings
-from baton.models.loader import resolve_model_path
+from baton.bench.hf_export import export_hf_dir
 
 torch.set_num_threads(2)
 
@@ -38,20 +37,10 @@ PROMPTS = [
 
 
 def reference_model(name: str):
-    """transformers' own model on the same GGUF weights, saved as an HF directory after the first
-    load (transformers parses and dequantizes the GGUF itself, which takes up to a minute)."""
+    """transformers' own model on the same GGUF weights (exported once to an HF directory)."""
     from transformers import AutoModelForCausalLM
 
-    saved = EnvSettings.read().cache_dir / "reference" / name
-    if (saved / "config.json").exists():
-        return AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
-    path = resolve_model_path(name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.hf_quantizer = None  # the weights are plain float32 now; transformers refuses to save "gguf" ones
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(str(saved))
-    return model.eval()
+    return AutoModelForCausalLM.from_pretrained(str(export_hf_dir(name)), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

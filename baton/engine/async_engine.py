@@ -1,0 +1,141 @@
+"""The engine loop beside an asyncio app: one thread owns the LLMEngine and steps it; coroutines
+submit requests and aborts through a queue and receive each request's outputs on their own queue."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from baton.engine.engine import LLMEngine, Prompt
+from baton.outputs import RequestOutput
+from baton.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    outputs: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    accepted: concurrent.futures.Future
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        self.running = False
+
+    def start(self) -> None:
+        self._thread.start()
+        self.running = True
+
+    def stop(self) -> None:
+        """Abort whatever is left and end the loop thread."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        self.running = False
+
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as it advances. Leaving early (client gone) aborts it."""
+        if not self.running:
+            raise EngineDeadError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Add(request_id, prompt, params, outputs, loop, accepted))
+        self._wake.set()
+        await asyncio.wrap_future(accepted)  # raises the engine's ValueError for a bad request
+        finished = False
+        try:
+            while True:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    # ---- the loop thread -------------------------------------------------------------------------
+    def _drain_inbox(self, reject: bool = False) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Add):
+                if reject:
+                    item.accepted.set_exception(EngineDeadError("the server is shutting down"))
+                    continue
+                try:
+                    self.engine.add_request(item.prompt, item.params, item.request_id)
+                except Exception as e:  # a bad request fails alone
+                    item.accepted.set_exception(e)
+                    continue
+                self._streams[item.request_id] = (item.loop, item.outputs)
+                item.accepted.set_result(None)
+            else:
+                rid = item[1]
+                self.engine.abort_request(rid)
+                self._streams.pop(rid, None)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        loop, outputs = stream
+        if isinstance(item, BaseException) or item.finished:
+            self._streams.pop(request_id, None)
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        except RuntimeError:  # that request's event loop is closed
+            pass
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_inbox()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception as e:  # fail what was running, keep serving new requests
+                logger.exception("engine step failed")
+                for rid in list(self._streams):
+                    self.engine.abort_request(rid)
+                    self._deliver(rid, EngineDeadError(f"engine step failed: {e}"))
+                continue
+            for out in outs:
+                self._deliver(out.request_id, out)
+        for rid in list(self._streams):
+            self.engine.abort_request(rid)
+            self._deliver(rid, EngineDeadError("the server is shutting down"))
+        self.running = False
+        self._drain_inbox(reject=True)

@@ -1,0 +1,72 @@
+"""Prometheus metrics: request outcomes and latencies observed by the server, engine state read at scrape."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from baton.engine.engine import LLMEngine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+
+
+class EngineCollector:
+    """Reads the engine's own counters when scraped, so nothing is counted twice."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        s = e.scheduler
+        yield GaugeMetricFamily("baton_num_requests_running", "Requests in the running batch", value=len(s.running))
+        yield GaugeMetricFamily("baton_num_requests_waiting", "Requests waiting to be scheduled", value=len(s.waiting))
+        used = GaugeMetricFamily("baton_kv_blocks_used", "KV blocks referenced by requests", labels=["group"])
+        total = GaugeMetricFamily("baton_kv_blocks_total", "KV blocks in the pool", labels=["group"])
+        for g in e.kv_spec.groups:
+            label = f"{g.group_id}:{g.kind.name}"
+            used.add_metric([label], e.kv.num_used_blocks(g.group_id))
+            total.add_metric([label], e.kv.pools[g.group_id].num_blocks)
+        yield used
+        yield total
+        yield CounterMetricFamily(
+            "baton_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            value=s.prefix_queried_tokens,
+        )
+        yield CounterMetricFamily(
+            "baton_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", value=s.prefix_hit_tokens
+        )
+        yield CounterMetricFamily("baton_preemptions", "Requests preempted for KV memory", value=s.num_preemptions)
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        r = self.registry
+        self.requests = Counter("baton_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("baton_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("baton_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram(
+            "baton_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "baton_time_per_output_token_seconds",
+            "Time per output token after the first",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "baton_e2e_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+
+    def observe(self, outcome: str, prompt_tokens: int, output_tokens: int, ttft: float | None, e2e: float) -> None:
+        self.requests.labels(outcome).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(output_tokens)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if output_tokens > 1:
+                self.tpot.observe((e2e - ttft) / (output_tokens - 1))
+        self.e2e.observe(e2e)

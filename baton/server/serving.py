@@ -1,0 +1,284 @@
+"""The completions and chat endpoints' work: validate against the model, run, shape the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from baton.engine.async_engine import AsyncEngine
+from baton.outputs import RequestOutput
+from baton.sampling_params import SamplingParams
+from baton.server.metrics import ServerMetrics
+from baton.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from baton.server.responses import (
+    ChoiceStream,
+    Timing,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    stream_safe_text,
+    usage,
+)
+from baton.tokenizer import apply_chat_template
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_name: str) -> None:
+        self.async_engine = engine
+        self.engine = engine.engine
+        self.metrics = metrics
+        self.served_name = served_name
+        self.piece = TokenText(self.engine.tokenizer)
+
+    # ---- shared ----------------------------------------------------------------------------------
+    def _prepare(self, prompt, body: _SamplingFields, max_tokens: int | None) -> tuple[str | None, list[int], int]:
+        """Tokenize and check against the context; returns (text, ids, max_tokens resolved)."""
+        text, ids = self.engine.tokenize(prompt)
+        limit = self.engine.max_model_len
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {limit} tokens")
+        if max_tokens is None:
+            max_tokens = limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise ValueError(
+                f"max_tokens={max_tokens} plus the prompt's {len(ids)} tokens exceeds the context of {limit} tokens"
+            )
+        return text, ids, max_tokens
+
+    async def _tracked(self, prompt_ids: list[int], params: SamplingParams, rid: str) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one request, with its latency and outcome recorded."""
+        timing, last, outcome = Timing(), None, "abort"
+        try:
+            async for out in self.async_engine.generate({"prompt_token_ids": prompt_ids}, params, rid):
+                timing.saw(out)
+                last = out
+                yield out
+            outcome = ",".join(sorted({c.finish_reason or "abort" for c in last.outputs})) if last else "abort"
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            produced = sum(len(c.token_ids) for c in last.outputs) if last else 0
+            e2e = time.perf_counter() - timing.start
+            ttft = timing.first_token - timing.start if timing.first_token else None
+            self.metrics.observe(outcome, len(prompt_ids), produced, ttft, e2e)
+
+    @staticmethod
+    async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Interleave several requests' outputs; leaving early cancels (and so aborts) all of them."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for out in gen:
+                    await queue.put((i, out))
+            except Exception as e:
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _final(self, gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+        last: dict[int, RequestOutput] = {}
+        async for i, out in self._merge(gens):
+            last[i] = out
+        return [last[i] for i in range(len(gens))]
+
+    def _header(self, rid: str, obj: str) -> dict:
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.served_name}
+
+    # ---- /v1/completions -------------------------------------------------------------------------
+    async def completion(self, body: CompletionRequest, rid: str):
+        prepared = [self._prepare(p, body, body.max_tokens) for p in body.prompts()]
+        echo_lp = body.logprobs if body.echo and body.logprobs is not None else None
+        params = [body.sampling_params(max(1, m), body.logprobs, echo_lp) for _, _, m in prepared]
+        gens = [self._tracked(ids, p, f"{rid}-{i}") for i, ((_, ids, _), p) in enumerate(zip(prepared, params))]
+        keep_output = [m > 0 for _, _, m in prepared]  # max_tokens 0: prompt only (echo / scoring)
+        if body.stream:
+            return _sse(self._completion_stream(body, rid, prepared, keep_output, gens))
+        outs = await self._final(gens)
+        choices, completion_tokens = [], 0
+        for i, (out, (text, ids, _)) in enumerate(zip(outs, prepared)):
+            prompt_text = text if text is not None else self._decode(ids)
+            for c in out.outputs:
+                out_ids = c.token_ids if keep_output[i] else []
+                out_text = c.text if keep_output[i] else ""
+                completion_tokens += len(out_ids)
+                choice = {
+                    "index": i * body.n + c.index,
+                    "text": (prompt_text if body.echo else "") + out_text,
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason if keep_output[i] else "length",
+                    "stop_reason": c.stop_reason,
+                }
+                if body.logprobs is not None:
+                    lp_ids = (ids if body.echo else []) + out_ids
+                    entries = (out.prompt_logprobs if body.echo else []) + (c.logprobs or [])[: len(out_ids)]
+                    choice["logprobs"] = completion_logprobs(lp_ids, entries, self.piece)
+                if body.return_token_ids:
+                    choice["prompt_token_ids"], choice["token_ids"] = ids, out_ids
+                choices.append(choice)
+        prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
+        return {
+            **self._header(rid, "text_completion"),
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
+
+    async def _completion_stream(self, body, rid, prepared, keep_output, gens) -> AsyncIterator[dict]:
+        states: dict[int, ChoiceStream] = {}
+        completion_tokens = 0
+        stop = list(body.stop or []) if not isinstance(body.stop, str) else [body.stop]
+        async for i, out in self._merge(gens):
+            text, ids, _ = prepared[i]
+            for c in out.outputs:
+                index = i * body.n + c.index
+                st = states.setdefault(index, ChoiceStream())
+                if st.finished:
+                    continue
+                first = st.text_sent == 0 and st.tokens_sent == 0
+                done = c.finish_reason is not None
+                safe = stream_safe_text(c.text, done, stop) if keep_output[i] else ""
+                delta = safe[st.text_sent :]
+                new_ids = c.token_ids[st.tokens_sent :] if keep_output[i] else []
+                if not (delta or done or (first and body.echo)):
+                    continue
+                choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": None}
+                lp_ids, entries = (
+                    list(new_ids),
+                    list((c.logprobs or [])[st.tokens_sent : st.tokens_sent + len(new_ids)]),
+                )
+                if first and body.echo:
+                    choice["text"] = (text if text is not None else self._decode(ids)) + delta
+                    lp_ids, entries = ids + lp_ids, (out.prompt_logprobs or [None] * len(ids)) + entries
+                if body.logprobs is not None:
+                    choice["logprobs"] = completion_logprobs(lp_ids, entries, self.piece)
+                if body.return_token_ids:
+                    choice["token_ids"] = new_ids
+                    if first:
+                        choice["prompt_token_ids"] = ids
+                if done:
+                    choice["finish_reason"] = c.finish_reason if keep_output[i] else "length"
+                    choice["stop_reason"] = c.stop_reason
+                    st.finished = True
+                    completion_tokens += len(c.token_ids) if keep_output[i] else 0
+                st.text_sent += len(delta)
+                st.tokens_sent += len(new_ids)
+                yield {**self._header(rid, "text_completion"), "choices": [choice]}
+        if body.stream_options and body.stream_options.include_usage:
+            prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
+            yield {
+                **self._header(rid, "text_completion"),
+                "choices": [],
+                "usage": usage(prompt_tokens, completion_tokens),
+            }
+
+    # ---- /v1/chat/completions --------------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest, rid: str):
+        ids = apply_chat_template(self.engine.tokenizer, [m.as_template_dict() for m in body.messages])
+        _, ids, max_tokens = self._prepare(
+            {"prompt_token_ids": ids}, body, body.max_completion_tokens or body.max_tokens
+        )
+        top_n = body.top_logprobs or 0
+        params = body.sampling_params(max_tokens, top_n if body.logprobs else None, None)
+        gen = self._tracked(ids, params, rid)
+        if body.stream:
+            return _sse(self._chat_stream(body, rid, ids, top_n, gen))
+        (out,) = await self._final([gen])
+        choices = []
+        for c in out.outputs:
+            choice = {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.token_ids, c.logprobs, self.piece, top_n) if body.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if body.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        response = {**self._header(rid, "chat.completion"), "choices": choices}
+        response["usage"] = usage(len(ids), sum(len(c.token_ids) for c in out.outputs))
+        if body.return_token_ids:
+            response["prompt_token_ids"] = ids
+        return response
+
+    async def _chat_stream(self, body, rid, ids, top_n, gen) -> AsyncIterator[dict]:
+        head = self._header(rid, "chat.completion.chunk")
+        first = {
+            **head,
+            "choices": [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(body.n)
+            ],
+        }
+        if body.return_token_ids:
+            first["prompt_token_ids"] = ids
+        yield first
+        states = [ChoiceStream() for _ in range(body.n)]
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        completion_tokens = 0
+        async for _, out in self._merge([gen]):
+            for c in out.outputs:
+                st = states[c.index]
+                if st.finished:
+                    continue
+                done = c.finish_reason is not None
+                delta = stream_safe_text(c.text, done, stop)[st.text_sent :]
+                new_ids = c.token_ids[st.tokens_sent :]
+                if not (delta or done):
+                    continue
+                choice = {"index": c.index, "delta": {"content": delta}, "logprobs": None, "finish_reason": None}
+                if body.logprobs:
+                    entries = c.logprobs[st.tokens_sent : st.tokens_sent + len(new_ids)]
+                    choice["logprobs"] = chat_logprobs(new_ids, entries, self.piece, top_n)
+                if body.return_token_ids:
+                    choice["token_ids"] = new_ids
+                if done:
+                    choice["finish_reason"], choice["stop_reason"] = c.finish_reason, c.stop_reason
+                    st.finished = True
+                    completion_tokens += len(c.token_ids)
+                st.text_sent += len(delta)
+                st.tokens_sent += len(new_ids)
+                yield {**head, "choices": [choice]}
+        if body.stream_options and body.stream_options.include_usage:
+            yield {**head, "choices": [], "usage": usage(len(ids), completion_tokens)}
+
+    def _decode(self, ids: list[int]) -> str:
+        tok = self.engine.tokenizer
+        return tok.decode(ids) if tok is not None else ""
+
+
+async def _events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    except Exception as e:  # headers are gone: report in-band, as OpenAI servers do
+        err = {"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}}
+        yield f"data: {json.dumps(err)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    return StreamingResponse(_events(events), media_type="text/event-stream")

@@ -1,0 +1,62 @@
+"""Start `baton serve` as a real process for the HTTP tests, and stop it with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "baton.cli", "serve", "--port", str(self.port), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "BATON_LOG_LEVEL": "WARNING"},
+        )
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read().decode()[-3000:]}")
+            try:
+                if requests.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        self.proc.kill()
+        raise RuntimeError("server did not become healthy")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+    def metric(self, name: str, headers: dict | None = None) -> float:
+        """Sum of a Prometheus metric's samples (all label sets)."""
+        text = requests.get(f"{self.base_url}/metrics", headers=headers, timeout=10).text
+        total, found = 0.0, False
+        for line in text.splitlines():
+            if line.startswith(name) and (line[len(name)] in " {"):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+        if not found:
+            raise KeyError(name)
+        return total
