@@ -80,12 +80,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def peak_rss_mib(pid: int) -> float:
-    """Peak resident memory of a process and its children (VmHWM), in MiB."""
-    total = 0
-    pids = [pid] + [
-        int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    ]
-    for p in pids:
+    """Peak resident memory (VmHWM) of a process and all its descendants, in MiB
+    (vLLM runs its engine core and workers as child processes)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        children = subprocess.run(["pgrep", "-P", str(p)], capture_output=True, text=True).stdout.split()
+        todo.extend(int(c) for c in children)
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):
@@ -184,6 +185,8 @@ def main() -> None:
                     "--max-model-len",
                     "4096",
                     "--enforce-eager",
+                    "--gpu-memory-utilization",  # on the CPU backend: the share of RAM it reserves
+                    "0.25",
                 ],
                 env=env,
                 stdout=open(scratch / "vllm.log", "w"),

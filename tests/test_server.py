@@ -271,3 +271,16 @@ def test_sigterm_finishes_or_aborts_and_exits_cleanly():
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{srv.base_url}/health", timeout=2)
     json.dumps(results)
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(server, client, smollm2):
+    prompt = "A list of ten fruits:"
+    expected = smollm2.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    stream = client.completions.create(
+        model="smollm2-135m", prompt=prompt, max_tokens=40, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    pieces = [next(stream).choices[0].text]
+    for bad in ({"prompt": "x", "top_p": 0}, {"prompt": [10**9]}, {"prompt": "x", "n": 0}, {"prompt": []}):
+        assert _post(server, "/v1/completions", bad).status_code == 400
+    pieces += [c.choices[0].text for c in stream]
+    assert "".join(pieces) == expected.outputs[0].text
