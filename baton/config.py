@@ -32,6 +32,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str | None = None
     """Storage dtype of the KV cache; defaults to the model dtype."""
+    kv_layout: str = "NHD"
+    """Axis order of stored K/V per layer: NHD = [slots, heads, dim], HND = [heads, slots, dim]."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -40,6 +42,8 @@ class CacheConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be NHD or HND, got {self.kv_layout!r}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}")
 

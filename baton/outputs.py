@@ -40,4 +40,5 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    kv_span: bytes | None = None  # the encoded KVSpan of a prefill-only (export_kv) request
     metrics: dict = field(default_factory=dict)

@@ -14,6 +14,10 @@ from baton.engine.request import Request
 from baton.engine.runner import ModelRunner
 from baton.engine.sampler import sample, top_logprobs
 from baton.engine.scheduler import Scheduler, SchedulerOutput
+from baton.handoff import wire
+from baton.handoff.span import model_fingerprint
+from baton.handoff.transfer import apply_import, export_span
+from baton.handoff.validate import plan_import
 from baton.kv.manager import KVManager
 from baton.kv.spec import KVSpec, size_kv_pools
 from baton.kv.storage import KVStorage
@@ -49,13 +53,16 @@ class LLMEngine:
             )
         self.kv = KVManager(self.kv_spec, num_blocks, cache.enable_prefix_caching)
         self.max_model_len = self._max_model_len()
-        self.storage = KVStorage(self.kv_spec, num_blocks, kv_dtype)
+        self.storage = KVStorage(self.kv_spec, num_blocks, kv_dtype, cache.kv_layout)
+        self.fingerprint = model_fingerprint(mc, loaded.source.header())
         self.scheduler = Scheduler(sched, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.storage)
         self.eos_token_ids = set(mc.eos_token_ids) | self._generation_eos(loaded.path)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, list[Request]] = {}  # request id -> its n samples
+        self.num_kv_imports = 0
+        self._touched: set[str] = set()  # requests changed outside a step (an import), reported next step
         self._ids = itertools.count()
         logger.info(
             "KV cache: %s blocks of %d tokens per group (%s), %.1f MiB; max_model_len %d",
@@ -104,7 +111,17 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        kv_span: bytes | None = None,
+        export_kv: str | None = None,
+    ) -> str:
+        """`kv_span`: the prompt's KV computed elsewhere; validated before anything is written
+        (InvalidKVImport), then the request decodes from its first token. `export_kv`
+        ("grouped" / "dense"): prefill only, and put the encoded span in the output."""
         text, token_ids = self.tokenize(prompt)
         vocab = self.model_config.vocab_size
         if not token_ids:
@@ -119,6 +136,13 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
+        if kv_span is not None or export_kv is not None:
+            if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None:
+                raise ValueError("a KV handoff request takes n=1 and no logprobs")
+            if export_kv not in (None, "grouped", "dense"):
+                raise ValueError(f"export_kv must be 'grouped' or 'dense', not {export_kv!r}")
+        if kv_span is not None:
+            return self._add_imported(request_id, text, token_ids, params, kv_span)
         samples: list[Request] = []
         for i in range(params.n):
             req = Request(
@@ -131,9 +155,34 @@ class LLMEngine:
                 leader=samples[0] if samples and self.kv.enable_prefix_caching else None,
                 prompt=text,
             )
+            req.export_kv = export_kv
             samples.append(req)
             self.scheduler.add(req)
         self.requests[request_id] = samples
+        return request_id
+
+    def _add_imported(
+        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, blob: bytes
+    ) -> str:
+        plan = plan_import(
+            blob,
+            fingerprint=self.fingerprint,
+            kv=self.kv,
+            kv_dtype=self.storage.dtype,
+            vocab_size=self.model_config.vocab_size,
+            expected_tokens=token_ids,
+        )
+        req = Request(f"{request_id}#0", token_ids, params, self.eos_token_ids, self.max_model_len, prompt=text)
+        apply_import(self.kv, self.storage, req.request_id, plan)
+        req.num_computed_tokens = len(token_ids)
+        self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+        self.requests[request_id] = [req]
+        self._append_token(req, plan.first_token, None, 0.0)
+        self._touched.add(request_id)
+        if not req.is_finished:
+            self.kv.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
+            self.scheduler.add(req)
+        self.num_kv_imports += 1
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -142,13 +191,13 @@ class LLMEngine:
                 self.scheduler.finish(req, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._touched)
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.scheduled:
-            return []
+            return self._outputs(batch)
         out = self.runner.execute(batch)
         for s in batch.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
@@ -162,9 +211,22 @@ class LLMEngine:
             rows = torch.tensor([out.sample_rows[r.request_id] for r in to_sample])
             result = sample(out.logits[rows], to_sample)
             for i, req in enumerate(to_sample):
+                if req.export_kv is not None and req.num_output_tokens == 0:
+                    span = export_span(
+                        self.kv,
+                        self.storage,
+                        self.fingerprint,
+                        req.request_id,
+                        req.prompt_token_ids,
+                        result.token_ids[i],
+                        req.export_kv,
+                    )
+                    req.kv_span = wire.encode(span)
                 self._append_token(req, result.token_ids[i], result.logprobs[i], result.sampled_logprobs[i])
+                if req.export_kv is not None and not req.is_finished:
+                    self.scheduler.finish(req, "length")  # a prefill-only request ends at its first token
         for s in batch.scheduled:
-            if not s.request.is_finished:
+            if not s.request.is_finished and s.request.export_kv is None:  # exports keep every position
                 self.kv.remove_skipped_blocks(s.request.request_id, s.request.num_computed_tokens)
         return self._outputs(batch)
 
@@ -225,7 +287,8 @@ class LLMEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=req.params.skip_special_tokens)
 
     def _outputs(self, batch: SchedulerOutput) -> list[RequestOutput]:
-        touched = {s.request.request_id.rpartition("#")[0] for s in batch.scheduled}
+        touched, self._touched = self._touched, set()
+        touched |= {s.request.request_id.rpartition("#")[0] for s in batch.scheduled}
         touched |= {r.request_id.rpartition("#")[0] for r in batch.preempted}
         outs = []
         for rid in touched:
@@ -260,4 +323,5 @@ class LLMEngine:
             ],
             finished=all(r.is_finished for r in samples),
             num_cached_tokens=first.num_cached_tokens,
+            kv_span=first.kv_span,
         )

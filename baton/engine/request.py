@@ -59,6 +59,8 @@ class Request:
         self.cumulative_logprob = 0.0
         self.output_text = ""
         self.num_preemptions = 0
+        self.export_kv: str | None = None  # "grouped" / "dense": export the prompt KV after prefill
+        self.kv_span: bytes | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)

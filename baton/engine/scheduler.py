@@ -80,18 +80,19 @@ class Scheduler:
             cached = 0
             if req.num_computed_tokens == 0 and not req.needs_prompt_logits:
                 cached = self.kv.find_cached_prefix(req.request_id, req.token_ids)
-            num_new = min(req.num_tokens - cached, budget)
-            if not self.kv.allocate_slots(req.request_id, req.token_ids, 0, num_new, cached):
+            done = req.num_computed_tokens  # > 0 only for a request whose prompt KV was imported
+            num_new = min(req.num_tokens - done - cached, budget)
+            if not self.kv.allocate_slots(req.request_id, req.token_ids, done, num_new, cached):
                 self.waiting.appendleft(req)
                 break
-            if req.num_preemptions == 0:
+            if req.num_preemptions == 0 and done == 0:
                 self.prefix_queried_tokens += req.num_tokens
                 self.prefix_hit_tokens += cached
                 req.num_cached_tokens = cached
-            req.num_computed_tokens = cached
+            req.num_computed_tokens = done + cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new, cached))
+            out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 

@@ -150,6 +150,24 @@ class KVManager:
             table.extend(self.pools[g.group_id].allocate(num_new))
         return True
 
+    def blocks_for_import(self, num_tokens: int) -> list[int]:
+        """Blocks per group that `allocate_for_import` takes for a prompt of num_tokens."""
+        total = -(-num_tokens // self.block_size)
+        return [total - self._window_start_block(g, num_tokens) for g in self.spec.groups]
+
+    def allocate_for_import(self, request_id: str, num_tokens: int) -> bool:
+        """Tables for positions [0, num_tokens) whose KV comes from elsewhere: sliding groups get
+        blocks only for the window the next query reads. All-or-nothing, like allocate_slots."""
+        need = self.blocks_for_import(num_tokens)
+        if request_id in self.block_tables or any(n > p.num_free for n, p in zip(need, self.pools)):
+            return False
+        tables = []
+        for g, n in zip(self.spec.groups, need):
+            first = self._window_start_block(g, num_tokens)
+            tables.append([NULL_BLOCK] * first + self.pools[g.group_id].allocate(n))
+        self.block_tables[request_id] = tables
+        return True
+
     def cache_blocks(
         self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, salt: bytes = b""
     ) -> None:

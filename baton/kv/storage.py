@@ -6,22 +6,41 @@ import torch
 
 from baton.kv.spec import KVSpec
 
+KV_LAYOUTS = {"NHD": "LTHD", "HND": "LHTD"}  # storage layout -> axis order of a group's tensor
+
 
 class KVStorage:
-    def __init__(self, spec: KVSpec, num_blocks: list[int], dtype: torch.dtype, device: str = "cpu") -> None:
+    """`layout` NHD stores [layers, slots, heads, dim], HND [layers, heads, slots, dim]; readers
+    always get [slots, heads, dim] views, so only this class knows the physical order."""
+
+    def __init__(
+        self, spec: KVSpec, num_blocks: list[int], dtype: torch.dtype, layout: str = "NHD", device: str = "cpu"
+    ) -> None:
+        if layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {layout!r}")
         self.spec = spec
         self.dtype = dtype
+        self.layout = layout
+        self.span_layout = KV_LAYOUTS[layout]
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         for g, n in zip(spec.groups, num_blocks):
-            shape = (len(g.layer_ids), n * spec.block_size, g.num_kv_heads, g.head_dim)
+            dims = {"L": len(g.layer_ids), "T": n * spec.block_size, "H": g.num_kv_heads, "D": g.head_dim}
+            shape = tuple(dims[a] for a in self.span_layout)
             self.k.append(torch.zeros(shape, dtype=dtype, device=device))
             self.v.append(torch.zeros(shape, dtype=dtype, device=device))
+
+    def group_view(self, group_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a group as [layers, slots, heads, dim] views."""
+        if self.layout == "NHD":
+            return self.k[group_id], self.v[group_id]
+        return self.k[group_id].transpose(1, 2), self.v[group_id].transpose(1, 2)
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as [slots, kv heads, head dim] views."""
         group_id, idx = self.spec.layer_to_group[layer_id]
-        return self.k[group_id][idx], self.v[group_id][idx]
+        k, v = self.group_view(group_id)
+        return k[idx], v[idx]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

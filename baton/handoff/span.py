@@ -1,0 +1,67 @@
+"""KVSpan: one request's prompt KV as a self-describing value, independent of any worker's layout.
+
+A span holds, per tensor, K or V for some model layers over a run of positions [start, n):
+*grouped* spans carry one K and one V tensor per KV group (full groups from position 0, sliding
+groups the last `window` positions); *dense* spans one K and one V tensor over all layers and all
+positions, as a producer that knows nothing of groups would send. Axes are named by `layout`, a
+permutation of "LTHD" (layer, token position, KV head, head dim).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from baton.models.model_config import TextModelConfig
+
+AXES = "LTHD"
+SPAN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SpanTensor:
+    kind: str  # "k" or "v"
+    layer_ids: tuple[int, ...]
+    start: int  # first position held; the tensor holds positions [start, start + T)
+    data: torch.Tensor  # axes in the span's layout
+
+
+@dataclass
+class KVSpan:
+    fingerprint: dict
+    prompt_token_ids: list[int]
+    first_token: int
+    layout: str
+    dtype: str
+    tensors: list[SpanTensor] = field(default_factory=list)
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def format(self) -> str:
+        layers = {t.layer_ids for t in self.tensors}
+        return "dense" if len(layers) == 1 and len(next(iter(layers))) == self.fingerprint["num_layers"] else "grouped"
+
+
+def model_fingerprint(cfg: TextModelConfig, weights_header: dict[str, tuple[tuple[int, ...], str]]) -> dict:
+    """What two workers must agree on for one's KV to be valid in the other."""
+    weights = json.dumps(sorted((name, list(shape), kind) for name, (shape, kind) in weights_header.items()))
+    return {
+        "architecture": cfg.architecture,
+        "num_layers": cfg.num_layers,
+        "layer_kinds": [[k.name, k.window] for k in cfg.layer_kinds],
+        "num_kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rope": {kind: vars(r) for kind, r in sorted(cfg.rope.items())},
+        "weights_sha256": hashlib.sha256(weights.encode()).hexdigest(),
+    }
+
+
+def to_layout(t: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+    """Permute a tensor's axes from one layout string to another."""
+    return t.permute(*[src.index(a) for a in dst])
