@@ -109,6 +109,73 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
+def _router(args: argparse.Namespace) -> None:
+    import logging
+
+    import uvicorn
+
+    from baton.handoff.router import Router, build_router_app
+
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    app = build_router_app(Router(args.prefill or [], args.decode, args.span_format))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+
+
+def _pd(args: argparse.Namespace) -> None:
+    """A prefill worker, a decode worker (different KV dtype, block size and layout) and a router."""
+    import subprocess
+    import time
+    import urllib.request
+
+    base = [sys.executable, "-m", "baton.cli", "serve", "--model", args.model, "--served-model-name", args.model]
+    p_port, d_port = args.port + 100, args.port + 200
+    procs = [
+        subprocess.Popen(
+            [*base, "--kv-role", "prefill", "--port", str(p_port), "--block-size", "16", "--kv-cache-dtype", "bfloat16"]
+        ),
+        subprocess.Popen(
+            [*base, "--kv-role", "decode", "--port", str(d_port), "--block-size", "64", "--kv-layout", "HND"]
+        ),
+    ]
+    try:
+        for port in (p_port, d_port):
+            while True:
+                if any(p.poll() is not None for p in procs):
+                    raise ValueError("a worker exited during start-up")
+                try:
+                    if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                        break
+                except OSError:
+                    time.sleep(1)
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "baton.cli",
+                    "router",
+                    "--port",
+                    str(args.port),
+                    "--prefill",
+                    f"http://127.0.0.1:{p_port}",
+                    "--decode",
+                    f"http://127.0.0.1:{d_port}",
+                ]
+            )
+        )
+        print(
+            f"router on http://127.0.0.1:{args.port} (prefill :{p_port}, decode :{d_port}); Ctrl-C stops all",
+            flush=True,
+        )
+        procs[-1].wait()
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=60)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="An LLM serving engine for hybrid models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_config_args(serve, (ServerConfig,))
     serve.set_defaults(func=_serve)
+    router = sub.add_parser("router", help="the prefill/decode front: OpenAI routes over P and D workers")
+    router.add_argument("--prefill", nargs="*", help="prefill worker URLs")
+    router.add_argument("--decode", nargs="+", required=True, help="decode worker URLs")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--span-format", choices=["grouped", "dense"], default="grouped")
+    router.set_defaults(func=_router)
+    pd = sub.add_parser("pd", help="start a prefill worker, a decode worker and a router on this machine")
+    pd.add_argument("--model", default="smollm2-135m")
+    pd.add_argument("--port", type=int, default=8000)
+    pd.set_defaults(func=_pd)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     bench_serve = bench.add_parser("serve", help="benchmark an OpenAI-compatible server like vLLM's bench serve")
     bench_serve_module().add_args(bench_serve)

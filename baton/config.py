@@ -76,8 +76,14 @@ class ServerConfig:
     max_request_bytes: int = 4 << 20
     """Larger request bodies get 413."""
     graceful_shutdown_s: int = 30
+    kv_role: str = "both"
+    """prefill: export KV spans on /v1/internal/prefill; decode: accept them on /v1/internal/kv; both."""
+    max_kv_span_bytes: int = 2 << 30
+    """Largest KV span body accepted on /v1/internal/kv."""
 
     def __post_init__(self) -> None:
+        if self.kv_role not in ("prefill", "decode", "both"):
+            raise ValueError(f"kv_role must be prefill, decode or both, got {self.kv_role!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_bytes < 1:

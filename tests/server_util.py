@@ -54,7 +54,7 @@ class ServerProcess:
         text = requests.get(f"{self.base_url}/metrics", headers=headers, timeout=10).text
         total, found = 0.0, False
         for line in text.splitlines():
-            if line.startswith(name) and (line[len(name)] in " {"):
+            if line.startswith(name) and ("{" in name or line[len(name)] in " {"):
                 total += float(line.rsplit(" ", 1)[1])
                 found = True
         if not found:

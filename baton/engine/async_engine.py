@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from baton.engine.engine import LLMEngine, Prompt
+from baton.handoff.validate import InvalidKVImport
 from baton.outputs import RequestOutput
 from baton.sampling_params import SamplingParams
 
@@ -30,6 +31,8 @@ class _Add:
     outputs: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     accepted: concurrent.futures.Future
+    kv_span: bytes | None = None
+    export_kv: str | None = None
 
 
 class AsyncEngine:
@@ -41,6 +44,9 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
         self.running = False
+        self.remote_prefills = 0  # imported spans
+        self.local_prefills = 0
+        self.rejected_imports = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -54,14 +60,22 @@ class AsyncEngine:
             self._thread.join(timeout=30)
         self.running = False
 
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as it advances. Leaving early (client gone) aborts it."""
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        kv_span: bytes | None = None,
+        export_kv: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as it advances. Leaving early (client gone) aborts it.
+        A `kv_span` that fails validation is counted and the prompt is prefilled here instead."""
         if not self.running:
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_Add(request_id, prompt, params, outputs, loop, accepted))
+        self._inbox.put(_Add(request_id, prompt, params, outputs, loop, accepted, kv_span, export_kv))
         self._wake.set()
         await asyncio.wrap_future(accepted)  # raises the engine's ValueError for a bad request
         finished = False
@@ -94,7 +108,7 @@ class AsyncEngine:
                     item.accepted.set_exception(EngineDeadError("the server is shutting down"))
                     continue
                 try:
-                    self.engine.add_request(item.prompt, item.params, item.request_id)
+                    self._add(item)
                 except Exception as e:  # a bad request fails alone
                     item.accepted.set_exception(e)
                     continue
@@ -104,6 +118,18 @@ class AsyncEngine:
                 rid = item[1]
                 self.engine.abort_request(rid)
                 self._streams.pop(rid, None)
+
+    def _add(self, item: _Add) -> None:
+        if item.kv_span is not None:
+            try:
+                self.engine.add_request(item.prompt, item.params, item.request_id, kv_span=item.kv_span)
+                self.remote_prefills += 1
+                return
+            except InvalidKVImport as e:  # nothing was written: prefill it here instead
+                self.rejected_imports += 1
+                logger.warning("request %s: %s; prefilling locally", item.request_id, e)
+        self.engine.add_request(item.prompt, item.params, item.request_id, export_kv=item.export_kv)
+        self.local_prefills += 1
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)

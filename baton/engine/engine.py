@@ -17,7 +17,7 @@ from baton.engine.scheduler import Scheduler, SchedulerOutput
 from baton.handoff import wire
 from baton.handoff.span import model_fingerprint
 from baton.handoff.transfer import apply_import, export_span
-from baton.handoff.validate import plan_import
+from baton.handoff.validate import InvalidKVImport, plan_import
 from baton.kv.manager import KVManager
 from baton.kv.spec import KVSpec, size_kv_pools
 from baton.kv.storage import KVStorage
@@ -138,7 +138,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         if kv_span is not None or export_kv is not None:
             if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None:
-                raise ValueError("a KV handoff request takes n=1 and no logprobs")
+                raise InvalidKVImport("request", "n=1 and no logprobs", f"n={params.n}, logprobs={params.logprobs}")
             if export_kv not in (None, "grouped", "dense"):
                 raise ValueError(f"export_kv must be 'grouped' or 'dense', not {export_kv!r}")
         if kv_span is not None:
@@ -175,7 +175,10 @@ class LLMEngine:
         req = Request(f"{request_id}#0", token_ids, params, self.eos_token_ids, self.max_model_len, prompt=text)
         apply_import(self.kv, self.storage, req.request_id, plan)
         req.num_computed_tokens = len(token_ids)
-        self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+        # imported KV was computed elsewhere (maybe in another dtype): a salt keeps local requests
+        # from hitting it in the prefix cache, so a hit never changes a local request's output
+        req.cache_salt = b"kv-import:" + plan.source_dtype.encode()
+        self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.cache_salt)
         self.requests[request_id] = [req]
         self._append_token(req, plan.first_token, None, 0.0)
         self._touched.add(request_id)
@@ -201,7 +204,8 @@ class LLMEngine:
         out = self.runner.execute(batch)
         for s in batch.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(s.request.request_id, s.request.token_ids, s.request.num_computed_tokens)
+            r = s.request
+            self.kv.cache_blocks(r.request_id, r.token_ids, r.num_computed_tokens, r.cache_salt)
         for rid, (a, b) in out.prompt_rows.items():
             self._record_prompt_logprobs(
                 next(s for s in batch.scheduled if s.request.request_id == rid), out.logits[a:b]

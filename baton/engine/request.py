@@ -61,6 +61,7 @@ class Request:
         self.num_preemptions = 0
         self.export_kv: str | None = None  # "grouped" / "dense": export the prompt KV after prefill
         self.kv_span: bytes | None = None
+        self.cache_salt = b""  # part of every block hash: requests with different salts never share blocks
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)

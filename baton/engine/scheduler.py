@@ -53,7 +53,9 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             scheduled = True
-            while not self.kv.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens, num_new):
+            while not self.kv.allocate_slots(
+                req.request_id, req.token_ids, req.num_computed_tokens, num_new, salt=req.cache_salt
+            ):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -79,10 +81,10 @@ class Scheduler:
                 continue
             cached = 0
             if req.num_computed_tokens == 0 and not req.needs_prompt_logits:
-                cached = self.kv.find_cached_prefix(req.request_id, req.token_ids)
+                cached = self.kv.find_cached_prefix(req.request_id, req.token_ids, req.cache_salt)
             done = req.num_computed_tokens  # > 0 only for a request whose prompt KV was imported
             num_new = min(req.num_tokens - done - cached, budget)
-            if not self.kv.allocate_slots(req.request_id, req.token_ids, done, num_new, cached):
+            if not self.kv.allocate_slots(req.request_id, req.token_ids, done, num_new, cached, req.cache_salt):
                 self.waiting.appendleft(req)
                 break
             if req.num_preemptions == 0 and done == 0:

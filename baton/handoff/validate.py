@@ -37,12 +37,21 @@ class GroupWrite:
 class ImportPlan:
     prompt_token_ids: list[int]
     first_token: int
+    source_dtype: str
     writes: list[GroupWrite]
 
 
 def _check(ok: bool, field: str, expected: Any, received: Any) -> None:
     if not ok:
         raise InvalidKVImport(field, expected, received)
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _ints(x: Any) -> bool:
+    return isinstance(x, list) and all(_int(v) for v in x)
 
 
 def check_header(header: dict, fingerprint: dict, vocab_size: int, expected_tokens: list[int] | None) -> None:
@@ -77,7 +86,7 @@ def check_header(header: dict, fingerprint: dict, vocab_size: int, expected_toke
             f"{len(tokens)} tokens, differing from position {at}",
         )
     first = header.get("first_token")
-    _check(isinstance(first, int) and 0 <= first < vocab_size, "first_token", f"an id below {vocab_size}", first)
+    _check(_int(first) and 0 <= first < vocab_size, "first_token", f"an id below {vocab_size}", first)
     _check(
         isinstance(header.get("tensors"), list) and header["tensors"],
         "tensors",
@@ -115,8 +124,8 @@ def plan_import(
         f = f"tensors[{i}]"
         _check(isinstance(e, dict), f, "an object", type(e).__name__)
         kind, layers = e.get("kind"), e.get("layer_ids")
-        _check(kind in ("k", "v"), f"{f}.kind", "'k' or 'v'", kind)
-        layers = tuple(layers) if isinstance(layers, list) else None
+        _check(isinstance(kind, str) and kind in ("k", "v"), f"{f}.kind", "'k' or 'v'", kind)
+        layers = tuple(layers) if _ints(layers) else None
         _check(
             layers in group_layers or layers == all_layers,
             "layer_to_group",
@@ -124,21 +133,18 @@ def plan_import(
             layers,
         )
         _check((kind, layers) not in sources, f"{f}.layer_ids", "each layer once per kind", f"{kind} {layers} twice")
-        _check(e.get("dtype") in SPAN_DTYPES, "dtype", f"one of {sorted(SPAN_DTYPES)}", e.get("dtype"))
+        dtype = e.get("dtype")
+        _check(isinstance(dtype, str) and dtype in SPAN_DTYPES, "dtype", f"one of {sorted(SPAN_DTYPES)}", dtype)
         start = e.get("start")
-        _check(isinstance(start, int) and 0 <= start < n, "positions", f"a start in [0, {n})", start)
+        _check(_int(start) and 0 <= start < n, "positions", f"a start in [0, {n})", start)
         want = {"L": len(layers), "T": n - start, **geometry}
         expected_shape = [want[a] for a in layout]
         _check(e.get("shape") == expected_shape, "shape", expected_shape, e.get("shape"))
         nbytes, offset = e.get("nbytes"), e.get("offset")
         size = int(np.prod(expected_shape)) * SPAN_DTYPES[e["dtype"]].itemsize
-        _check(nbytes == size, "nbytes", f"{size} ({e['dtype']} x {expected_shape})", nbytes)
-        _check(
-            isinstance(offset, int) and 0 <= offset and offset + nbytes <= len(body),
-            "body_length",
-            f">= {offset + nbytes if isinstance(offset, int) else '?'} bytes",
-            len(body),
-        )
+        _check(_int(nbytes) and nbytes == size, "nbytes", f"{size} ({e['dtype']} x {expected_shape})", nbytes)
+        _check(_int(offset) and offset >= 0, f"{f}.offset", "a byte offset >= 0", offset)
+        _check(offset + nbytes <= len(body), "body_length", f">= {offset + nbytes} bytes", len(body))
         raw = body[offset : offset + nbytes]
         _check(checksum(raw) == e.get("xxh64"), "checksum", e.get("xxh64"), checksum(raw))
         sources[(kind, layers)] = (e, raw)
@@ -182,4 +188,5 @@ def plan_import(
                 t = t[list(g.layer_ids)]
             out[kind] = t[:, need - e["start"] :].to(kv_dtype).contiguous()
         writes.append(GroupWrite(g.group_id, np.arange(need, n), out["k"], out["v"]))
-    return ImportPlan(list(header["prompt_token_ids"]), header["first_token"], writes)
+    dtypes = sorted({e["dtype"] for e in header["tensors"]})
+    return ImportPlan(list(header["prompt_token_ids"]), header["first_token"], "+".join(dtypes), writes)

@@ -1,10 +1,10 @@
 """KVSpan <-> bytes: a magic, a JSON header, then each tensor's raw little-endian bytes. No pickle.
 
-    b"BATONKV1" | u32 little-endian header length | header (UTF-8 JSON) | tensor bytes ...
+    b"BATONKV1" | u32 LE header length | header (UTF-8 JSON) | u64 LE xxh64 of the header | tensors
 
 The header lists each tensor's kind, layers, start position, shape, dtype, byte offset and length
-in the body, and an xxh64 checksum of its bytes. Parsing checks nothing about the model: that is
-`validate.py`'s job; `decode` only refuses what cannot be read at all.
+in the body, and an xxh64 checksum of its bytes; the header has its own checksum. Reading checks
+only the framing; everything about the model is `validate.py`'s job.
 """
 
 from __future__ import annotations
@@ -61,8 +61,12 @@ def encode(span: KVSpan) -> bytes:
         "dtype": span.dtype,
         "tensors": entries,
     }
+    return frame(header, b"".join(body))
+
+
+def frame(header: dict, body: bytes) -> bytes:
     head = json.dumps(header, separators=(",", ":")).encode()
-    return MAGIC + struct.pack("<I", len(head)) + head + b"".join(body)
+    return MAGIC + struct.pack("<I", len(head)) + head + struct.pack("<Q", xxhash.xxh64_intdigest(head)) + body
 
 
 def read_header(blob: bytes) -> tuple[dict, memoryview]:
@@ -71,15 +75,19 @@ def read_header(blob: bytes) -> tuple[dict, memoryview]:
         raise InvalidKVImport("magic", MAGIC.decode(), repr(bytes(blob[: len(MAGIC)])))
     (n,) = struct.unpack_from("<I", blob, len(MAGIC))
     start = len(MAGIC) + 4
-    if start + n > len(blob):
-        raise InvalidKVImport("header_length", f"<= {len(blob) - start}", n)
+    if start + n + 8 > len(blob):
+        raise InvalidKVImport("header_length", f"<= {len(blob) - start - 8}", n)
+    head = bytes(blob[start : start + n])
+    (digest,) = struct.unpack_from("<Q", blob, start + n)
+    if digest != xxhash.xxh64_intdigest(head):
+        raise InvalidKVImport("header_checksum", f"{xxhash.xxh64_intdigest(head):016x}", f"{digest:016x}")
     try:
-        header = json.loads(bytes(blob[start : start + n]))
+        header = json.loads(head)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InvalidKVImport("header", "valid JSON", str(e)) from None
     if not isinstance(header, dict):
         raise InvalidKVImport("header", "a JSON object", type(header).__name__)
-    return header, memoryview(blob)[start + n :]
+    return header, memoryview(blob)[start + n + 8 :]
 
 
 def tensor_from_bytes(raw: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:

@@ -10,11 +10,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baton.config import ServerConfig
 from baton.engine.async_engine import AsyncEngine
 from baton.engine.engine import LLMEngine
+from baton.handoff.transport import SPAN_MEDIA_TYPE, SpanStore
 from baton.server.metrics import ServerMetrics
 from baton.server.protocol import (
     ChatCompletionRequest,
@@ -40,19 +42,22 @@ def _error(status: int, message: str, type_: str, param: str | None = None) -> J
 class Guard:
     """Pure ASGI middleware: 413 for bodies over the limit (declared or streamed), 401 without the key."""
 
-    def __init__(self, app, max_bytes: int, api_key: str | None) -> None:
-        self.app, self.max_bytes, self.api_key = app, max_bytes, api_key
+    def __init__(self, app, max_bytes: int, api_key: str | None, max_span_bytes: int) -> None:
+        self.app, self.api_key = app, api_key
+        self.limits = {"/v1/internal/kv": max_span_bytes}
+        self.default_limit = max_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
+        max_bytes = self.limits.get(scope["path"], self.default_limit)
         if self.api_key and scope["path"].startswith("/v1"):
             if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
                 return await _error(401, "invalid or missing API key", "authentication_error")(scope, receive, send)
         declared = headers.get(b"content-length")
-        too_big = _error(413, f"request body exceeds {self.max_bytes} bytes", "invalid_request_error")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+        too_big = _error(413, f"request body exceeds {max_bytes} bytes", "invalid_request_error")
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             return await too_big(scope, receive, send)
         seen = 0
 
@@ -61,7 +66,7 @@ class Guard:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > max_bytes:
                     raise _BodyTooLarge
             return message
 
@@ -77,9 +82,10 @@ class _BodyTooLarge(Exception):
 
 def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastAPI:
     async_engine = AsyncEngine(engine)
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(async_engine)
     served = config.served_model_name or model_name
-    serving = OpenAIServing(async_engine, metrics, served)
+    spans = SpanStore()
+    serving = OpenAIServing(async_engine, metrics, served, spans)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -143,6 +149,29 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
         check_model(body.model)
         return await serving.chat(body, _request_id("chatcmpl"))
 
+    @app.post("/v1/internal/prefill")
+    async def internal_prefill(request: Request, endpoint: str = "completions", format: str = "grouped"):
+        """Prefill only and answer with the prompt's KV span (the router's first leg)."""
+        if config.kv_role == "decode":
+            raise APIError(404, "this worker's kv_role is decode: it does not export KV")
+        if endpoint not in ("completions", "chat") or format not in ("grouped", "dense"):
+            raise APIError(400, "endpoint must be completions or chat, format grouped or dense")
+        model = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+        try:
+            body = model.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        check_model(body.model)
+        blob = await serving.prefill(body, _request_id("prefill"), format)
+        return Response(blob, media_type=SPAN_MEDIA_TYPE)
+
+    @app.post("/v1/internal/kv")
+    async def internal_kv(request: Request):
+        """Park a KV span until the request naming its transfer id arrives (the router's second leg)."""
+        if config.kv_role == "prefill":
+            raise APIError(404, "this worker's kv_role is prefill: it does not import KV")
+        return {"kv_transfer_id": spans.put(await request.body())}
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
@@ -169,7 +198,9 @@ def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastA
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(Guard, max_bytes=config.max_request_bytes, api_key=config.api_key)
+    app.add_middleware(
+        Guard, max_bytes=config.max_request_bytes, api_key=config.api_key, max_span_bytes=config.max_kv_span_bytes
+    )
     return app
 
 

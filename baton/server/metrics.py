@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from baton.engine.engine import LLMEngine
+from baton.engine.async_engine import AsyncEngine
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
@@ -13,11 +13,22 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5,
 class EngineCollector:
     """Reads the engine's own counters when scraped, so nothing is counted twice."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.async_engine = engine
+        self.engine = engine.engine
 
     def collect(self):
         e = self.engine
+        a = self.async_engine
+        prefills = CounterMetricFamily("baton_prefills", "Prompts prefilled, by where", labels=["where"])
+        prefills.add_metric(["remote"], a.remote_prefills)
+        prefills.add_metric(["local"], a.local_prefills)
+        yield prefills
+        yield CounterMetricFamily(
+            "baton_kv_imports_rejected",
+            "KV spans refused by validation (then prefilled locally)",
+            value=a.rejected_imports,
+        )
         s = e.scheduler
         yield GaugeMetricFamily("baton_num_requests_running", "Requests in the running batch", value=len(s.running))
         yield GaugeMetricFamily("baton_num_requests_waiting", "Requests waiting to be scheduled", value=len(s.waiting))
@@ -41,7 +52,7 @@ class EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine))
         r = self.registry

@@ -38,6 +38,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     user: str | None = None
+    kv_transfer_id: str | None = None  # a KV span parked on this worker by /v1/internal/kv
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         return SamplingParams(

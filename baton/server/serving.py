@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from baton.engine.async_engine import AsyncEngine
+from baton.handoff.transport import SpanStore
 from baton.outputs import RequestOutput
 from baton.sampling_params import SamplingParams
 from baton.server.metrics import ServerMetrics
@@ -27,8 +28,9 @@ from baton.tokenizer import apply_chat_template
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_name: str, spans: SpanStore) -> None:
         self.async_engine = engine
+        self.spans = spans
         self.engine = engine.engine
         self.metrics = metrics
         self.served_name = served_name
@@ -51,11 +53,19 @@ class OpenAIServing:
             )
         return text, ids, max_tokens
 
-    async def _tracked(self, prompt_ids: list[int], params: SamplingParams, rid: str) -> AsyncIterator[RequestOutput]:
+    async def _tracked(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rid: str,
+        kv_span: bytes | None = None,
+        export_kv: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one request, with its latency and outcome recorded."""
         timing, last, outcome = Timing(), None, "abort"
         try:
-            async for out in self.async_engine.generate({"prompt_token_ids": prompt_ids}, params, rid):
+            prompt = {"prompt_token_ids": prompt_ids}
+            async for out in self.async_engine.generate(prompt, params, rid, kv_span, export_kv):
                 timing.saw(out)
                 last = out
                 yield out
@@ -108,12 +118,40 @@ class OpenAIServing:
     def _header(self, rid: str, obj: str) -> dict:
         return {"id": rid, "object": obj, "created": int(time.time()), "model": self.served_name}
 
+    def _parked_span(self, body: _SamplingFields) -> bytes | None:
+        if body.kv_transfer_id is None:
+            return None
+        blob = self.spans.take(body.kv_transfer_id)
+        if blob is None:  # expired or unknown: the prompt is simply prefilled here
+            self.async_engine.rejected_imports += 1
+        return blob
+
+    async def prefill(self, body: CompletionRequest | ChatCompletionRequest, rid: str, fmt: str) -> bytes:
+        """Prefill one prompt and return its encoded KV span (the first token travels inside)."""
+        if isinstance(body, ChatCompletionRequest):
+            ids = apply_chat_template(self.engine.tokenizer, [m.as_template_dict() for m in body.messages])
+            _, ids, _ = self._prepare({"prompt_token_ids": ids}, body, body.max_completion_tokens or body.max_tokens)
+        else:
+            prompts = body.prompts()
+            if len(prompts) != 1:
+                raise ValueError("a KV handoff carries one prompt")
+            _, ids, _ = self._prepare(prompts[0], body, body.max_tokens)
+        params = body.sampling_params(1, None, None)
+        (out,) = await self._final([self._tracked(ids, params, rid, export_kv=fmt)])
+        if out.kv_span is None:
+            raise RuntimeError("the prefill produced no KV span")
+        return out.kv_span
+
     # ---- /v1/completions -------------------------------------------------------------------------
     async def completion(self, body: CompletionRequest, rid: str):
         prepared = [self._prepare(p, body, body.max_tokens) for p in body.prompts()]
         echo_lp = body.logprobs if body.echo and body.logprobs is not None else None
         params = [body.sampling_params(max(1, m), body.logprobs, echo_lp) for _, _, m in prepared]
-        gens = [self._tracked(ids, p, f"{rid}-{i}") for i, ((_, ids, _), p) in enumerate(zip(prepared, params))]
+        span = self._parked_span(body) if len(prepared) == 1 else None
+        gens = [
+            self._tracked(ids, p, f"{rid}-{i}", kv_span=span)
+            for i, ((_, ids, _), p) in enumerate(zip(prepared, params))
+        ]
         keep_output = [m > 0 for _, _, m in prepared]  # max_tokens 0: prompt only (echo / scoring)
         if body.stream:
             return _sse(self._completion_stream(body, rid, prepared, keep_output, gens))
@@ -202,7 +240,7 @@ class OpenAIServing:
         )
         top_n = body.top_logprobs or 0
         params = body.sampling_params(max_tokens, top_n if body.logprobs else None, None)
-        gen = self._tracked(ids, params, rid)
+        gen = self._tracked(ids, params, rid, kv_span=self._parked_span(body))
         if body.stream:
             return _sse(self._chat_stream(body, rid, ids, top_n, gen))
         (out,) = await self._final([gen])

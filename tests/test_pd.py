@@ -1,0 +1,136 @@
+"""Prefill/decode disaggregation over HTTP: router, workers that differ in block size and layout,
+fallback to a local prefill when the prefill side dies or a span is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+from tests.server_util import ServerProcess, free_port
+
+PROMPTS = [
+    "Hi",  # shorter than a block
+    "The quick brown fox jumps over the lazy dog and then",  # about one 16-token block
+    "Write a long story about a lighthouse keeper. " * 30,  # hundreds of tokens
+]
+
+
+class RouterProcess:
+    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "baton.cli", "router", "--port", str(self.port), "--decode", *decode]
+        if prefill:
+            cmd += ["--prefill", *prefill]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if requests.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                time.sleep(0.3)
+        raise RuntimeError("router did not start")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def trio():
+    prefill = ServerProcess("--kv-role", "prefill", "--block-size", "16")
+    decode = ServerProcess("--kv-role", "decode", "--block-size", "64", "--kv-layout", "HND")
+    router = RouterProcess([prefill.base_url], [decode.base_url])
+    yield prefill, decode, router
+    router.stop()
+    for srv in (prefill, decode):
+        if srv.proc.poll() is None:
+            srv.terminate()
+
+
+def _complete(base: str, prompt: str, stream: bool = False, max_tokens: int = 16) -> str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    r = requests.post(f"{base}/v1/completions", json=body, timeout=120, stream=stream)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["choices"][0]["text"]
+    import json
+
+    text = ""
+    for line in r.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_router_outputs_equal_the_decode_workers_own(trio):
+    _, decode, router = trio
+    before = decode.metric('baton_prefills_total{where="remote"')
+    for prompt in PROMPTS:
+        expected = _complete(decode.base_url, prompt)
+        assert _complete(router.base_url, prompt) == expected
+        assert _complete(router.base_url, prompt, stream=True) == expected
+    messages = [{"role": "user", "content": "Name a planet."}]
+    direct = requests.post(
+        f"{decode.base_url}/v1/chat/completions",
+        timeout=60,
+        json={"messages": messages, "max_tokens": 12, "temperature": 0},
+    ).json()
+    routed = requests.post(
+        f"{router.base_url}/v1/chat/completions",
+        timeout=60,
+        json={"messages": messages, "max_tokens": 12, "temperature": 0},
+    ).json()
+    assert routed["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    assert decode.metric('baton_prefills_total{where="remote"') - before == 2 * len(PROMPTS) + 1
+    assert decode.metric("baton_kv_blocks_used") == 0
+
+
+def test_refused_span_falls_back_to_a_local_prefill(trio):
+    _, decode, _ = trio
+    rejected = decode.metric("baton_kv_imports_rejected_total")
+    tid = requests.post(f"{decode.base_url}/v1/internal/kv", data=b"BATONKV1 not a span", timeout=10).json()
+    body = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0, "kv_transfer_id": tid["kv_transfer_id"]}
+    r = requests.post(f"{decode.base_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == _complete(decode.base_url, PROMPTS[1])
+    assert decode.metric("baton_kv_imports_rejected_total") == rejected + 1
+
+
+def test_killing_the_prefill_worker_never_hangs_a_request(trio):
+    prefill, decode, _ = trio
+    router = RouterProcess([prefill.base_url], [decode.base_url])  # its own router: the trio's stays intact
+    expected = _complete(decode.base_url, PROMPTS[2], max_tokens=24)
+    results: list = []
+
+    def client() -> None:
+        try:
+            results.append(_complete(router.base_url, PROMPTS[2], max_tokens=24))
+        except Exception as e:  # a clear failure is allowed, a hang is not
+            results.append(e)
+
+    threads = [threading.Thread(target=client) for _ in range(6)]
+    for i, t in enumerate(threads):
+        t.start()
+        if i == 2:
+            prefill.proc.kill()
+    for t in threads:
+        t.join(timeout=180)
+    assert not any(t.is_alive() for t in threads)
+    assert len(results) == 6 and all(r == expected for r in results), results
+    local = float(
+        next(
+            line.split()[-1]
+            for line in requests.get(f"{router.base_url}/metrics", timeout=5).text.splitlines()
+            if line.startswith('baton_router_prefills_total{where="local"')
+        )
+    )
+    assert local >= 1
+    router.stop()
