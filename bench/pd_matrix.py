@@ -103,7 +103,7 @@ def main() -> None:
         procs.append(start(["router", "--prefill", url["prefill"], "--decode", url["decode"]], ports["router"]))
         rows = []
         with TemporaryDirectory() as tmp:
-            for i, o, c in CELLS:
+            for cell, (i, o, c) in enumerate(CELLS):
                 n = args.prompts_per_stream * c
                 prompts = random_prompts(n, i, seed=1000 + i + o + c)
                 agree = 0
@@ -123,8 +123,10 @@ def main() -> None:
                 local0 = metric(url["router"], 'baton_router_prefills_total{where="local"')
                 runs = {"router": [], "lone": []}
                 for r in range(args.repeats):
+                    # fresh prompts for every cell and repeat: a prompt seen before would be a prefix-cache hit
+                    seed = 100 * cell + r
                     for name in ("router", "lone"):
-                        runs[name].append(bench(url[name], args.model, n, i, o, c, r, Path(tmp) / "b.json"))
+                        runs[name].append(bench(url[name], args.model, n, i, o, c, seed, Path(tmp) / "b.json"))
                 remote = metric(url["router"], 'baton_router_prefills_total{where="remote"') - remote0
                 local = metric(url["router"], 'baton_router_prefills_total{where="local"') - local0
 
