@@ -222,7 +222,7 @@ def fuzz_material(smollm2, smollm2_decode):
 _FIELDS = ["first_token", "layout", "dtype", "start", "shape", "offset", "nbytes", "layer_ids", "kind", "version"]
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     byte_flips=st.lists(st.tuples(st.integers(min_value=0), st.integers(1, 255)), max_size=3),
     field=st.sampled_from(_FIELDS + [None]),
