@@ -91,19 +91,14 @@ def test_router_outputs_equal_the_decode_workers_own(trio):
         expected = _complete(decode.base_url, prompt)
         assert _complete(router.base_url, prompt) == expected
         assert _complete(router.base_url, prompt, stream=True) == expected
-    messages = [{"role": "user", "content": "Name a planet."}]
-    direct = requests.post(
-        f"{decode.base_url}/v1/chat/completions",
-        timeout=60,
-        json={"messages": messages, "max_tokens": 12, "temperature": 0},
-    ).json()
-    routed = requests.post(
-        f"{router.base_url}/v1/chat/completions",
-        timeout=60,
-        json={"messages": messages, "max_tokens": 12, "temperature": 0},
-    ).json()
-    assert routed["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
-    assert decode.metric('baton_prefills_total{where="remote"') - before == 2 * len(PROMPTS) + 1
+    expected_remote = 2 * len(PROMPTS)
+    if router.model == "smollm2-135m":  # the Gemma3 GGUF ships no chat template
+        body = {"messages": [{"role": "user", "content": "Name a planet."}], "max_tokens": 12, "temperature": 0}
+        direct = requests.post(f"{decode.base_url}/v1/chat/completions", timeout=60, json=body).json()
+        routed = requests.post(f"{router.base_url}/v1/chat/completions", timeout=60, json=body).json()
+        assert routed["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+        expected_remote += 1
+    assert decode.metric('baton_prefills_total{where="remote"') - before == expected_remote
     assert decode.metric("baton_kv_blocks_used") == 0
 
 
