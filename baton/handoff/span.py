@@ -42,11 +42,6 @@ class KVSpan:
     def num_positions(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
-    def format(self) -> str:
-        layers = {t.layer_ids for t in self.tensors}
-        return "dense" if len(layers) == 1 and len(next(iter(layers))) == self.fingerprint["num_layers"] else "grouped"
-
 
 def model_fingerprint(cfg: TextModelConfig, weights_header: dict[str, tuple[tuple[int, ...], str]]) -> dict:
     """What two workers must agree on for one's KV to be valid in the other."""
