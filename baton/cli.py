@@ -89,6 +89,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
+    from baton.engine.async_engine import AsyncEngine
     from baton.engine.engine import LLMEngine
     from baton.server.app import build_app
 
@@ -96,7 +97,7 @@ def _serve(args: argparse.Namespace) -> None:
     server = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
     server.api_key = server.api_key or config.env.api_key
     logging.basicConfig(level=config.env.log_level, format="%(levelname)s %(name)s: %(message)s")
-    app = build_app(LLMEngine(config), server, config.model.model)
+    app = build_app(AsyncEngine(lambda: LLMEngine(config)), server, config.model.model)
     # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal to the handler
     # that was there before it: make that one a normal exit, so a clean shutdown exits 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -16,6 +16,8 @@ class ModelConfig:
     dtype: str = "float32"
     tokenizer: str | None = None
     """Tokenizer directory; defaults to the model's own."""
+    packed_linears: bool = True
+    """float32: run the linears on oneDNN-packed weights (false: torch's default F.linear)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
+from baton.bench.procs import run_bench
 from baton.bench.serve import random_prompts
 
 CELLS = [(i, o, c) for i in (128, 2000) for o in (32, 128) for c in (1, 4)]
@@ -50,37 +51,6 @@ def post(url: str, body: dict) -> dict:
 def metric(url: str, prefix: str) -> float:
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
-
-
-def bench(url: str, model: str, n: int, i: int, o: int, c: int, seed: int, out: Path) -> dict:
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "baton.cli",
-            "bench",
-            "serve",
-            "--base-url",
-            url,
-            "--model",
-            model,
-            "--num-prompts",
-            str(n),
-            "--input-len",
-            str(i),
-            "--output-len",
-            str(o),
-            "--max-concurrency",
-            str(c),
-            "--seed",
-            str(seed),
-            "--save-json",
-            str(out),
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -126,7 +96,7 @@ def main() -> None:
                     # fresh prompts for every cell and repeat: a prompt seen before would be a prefix-cache hit
                     seed = 100 * cell + r
                     for name in ("router", "lone"):
-                        runs[name].append(bench(url[name], args.model, n, i, o, c, seed, Path(tmp) / "b.json"))
+                        runs[name].append(run_bench(url[name], args.model, n, i, o, c, seed, Path(tmp) / "b.json"))
                 remote = metric(url["router"], 'baton_router_prefills_total{where="remote"') - remote0
                 local = metric(url["router"], 'baton_router_prefills_total{where="local"') - local0
 

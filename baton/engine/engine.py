@@ -21,6 +21,7 @@ from baton.handoff.validate import InvalidKVImport, plan_import
 from baton.kv.manager import KVManager
 from baton.kv.spec import KVSpec, size_kv_pools
 from baton.kv.storage import KVStorage
+from baton.models.layers import can_pack_linears
 from baton.models.loader import load_model
 from baton.outputs import CompletionOutput, RequestOutput
 from baton.sampling_params import SamplingParams
@@ -40,6 +41,8 @@ class LLMEngine:
         dtype = getattr(torch, config.model.dtype)
         loaded = load_model(config.model.model, dtype, config.env.cache_dir, progress=progress)
         self.model, self.model_config = loaded.model, loaded.config
+        if config.model.packed_linears and can_pack_linears(dtype):
+            self.model.pack_linears()
         self.tokenizer = load_tokenizer(loaded.path, config.env.cache_dir, config.model.tokenizer)
         cache, sched = config.cache, config.scheduler
         kv_dtype = getattr(torch, cache.kv_cache_dtype or config.model.dtype)

@@ -32,18 +32,21 @@ class ModelRunner:
     def _group_metadata(self, group: KVGroup, batch: SchedulerOutput) -> GroupAttnMetadata:
         bs = self.block_size
         window = group.kind.window if group.kind.is_sliding else None
-        slot_parts, decode_rows, prefills = [], [], []
+        slot_parts, decodes, prefills = [], [], []
         row = 0
         for s in batch.scheduled:
-            table = np.asarray(self.kv.block_tables[s.request.request_id][group.group_id], dtype=np.int64)
+            table = self.kv.block_tables[s.request.request_id][group.group_id]
             end = s.start + s.num_new_tokens
             kv_start = 0 if window is None else max(0, s.start - window + 1)
-            kv_pos = np.arange(kv_start, end)
-            kv_slots = table[kv_pos // bs] * bs + kv_pos % bs
-            slot_parts.append(kv_slots[s.start - kv_start :])
             if s.num_new_tokens == 1:
-                decode_rows.append(kv_slots)
-            elif s.start == 0:
+                slot_parts.append([table[s.start // bs] * bs + s.start % bs])
+                decodes.append((table[kv_start // bs : (end + bs - 1) // bs], kv_start % bs, end - kv_start))
+                row += 1
+                continue
+            kv_pos = np.arange(kv_start, end)
+            kv_slots = np.asarray(table, dtype=np.int64)[kv_pos // bs] * bs + kv_pos % bs
+            slot_parts.append(kv_slots[s.start - kv_start :])
+            if s.start == 0:
                 mask = None
                 if window is not None and s.num_new_tokens > window:
                     q_pos = np.arange(s.num_new_tokens)
@@ -57,19 +60,21 @@ class ModelRunner:
                     )
                 )
             row += s.num_new_tokens
-        decode_slots = decode_mask = None
-        if decode_rows:
-            width = max(len(r) for r in decode_rows)
-            slots = np.zeros((len(decode_rows), width), dtype=np.int64)
-            valid = np.zeros((len(decode_rows), 1, 1, width), dtype=bool)
-            for i, r in enumerate(decode_rows):
-                slots[i, : len(r)] = r
-                valid[i, 0, 0, : len(r)] = True
-            decode_slots, decode_mask = torch.from_numpy(slots), torch.from_numpy(valid)
+        decode_blocks = decode_mask = None
+        if decodes:
+            # Decodes read whole blocks (one contiguous copy each) and mask what lies outside
+            # [kv_start, end): the first block may start before a sliding window, the last is partial.
+            width = max(len(blocks) for blocks, _, _ in decodes)
+            block_ids = np.zeros((len(decodes), width), dtype=np.int64)
+            valid = np.zeros((len(decodes), 1, 1, width * bs), dtype=bool)
+            for i, (blocks, offset, length) in enumerate(decodes):
+                block_ids[i, : len(blocks)] = blocks
+                valid[i, 0, 0, offset : offset + length] = True
+            decode_blocks, decode_mask = torch.from_numpy(block_ids), torch.from_numpy(valid)
         return GroupAttnMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)),
-            num_decodes=len(decode_rows),
-            decode_kv_slots=decode_slots,
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts).astype(np.int64, copy=False)),
+            num_decodes=len(decodes),
+            decode_block_ids=decode_blocks,
             decode_mask=decode_mask,
             prefills=prefills,
         )

