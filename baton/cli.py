@@ -98,6 +98,9 @@ def _serve(args: argparse.Namespace) -> None:
     server.api_key = server.api_key or config.env.api_key
     logging.basicConfig(level=config.env.log_level, format="%(levelname)s %(name)s: %(message)s")
     app = build_app(AsyncEngine(lambda: LLMEngine(config)), server, config.model.model)
+    # The engine thread and the event loop trade the GIL every step; a shorter switch interval
+    # than the default 5 ms hands it over sooner (c1 TPOT about 5% lower in A/B runs here).
+    sys.setswitchinterval(0.0005)
     # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal to the handler
     # that was there before it: make that one a normal exit, so a clean shutdown exits 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -131,7 +131,11 @@ def start_peer(peer: str, model: str, hf_dir: Path, cache: Path, scratch: Path) 
         env = dict(os.environ)
         timeout = 120
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    wait_healthy(url, proc, timeout)
+    try:
+        wait_healthy(url, proc, timeout)
+    except RuntimeError:
+        proc.kill()
+        raise
     return url, proc
 
 
@@ -191,7 +195,11 @@ def main() -> None:
         long_rows: dict[str, tuple[float, float, float]] = {}
         try:
             for peer in args.peers:
-                servers[peer] = start_peer(peer, model, hf_dir, cache, scratch)
+                try:
+                    servers[peer] = start_peer(peer, model, hf_dir, cache, scratch)
+                except (RuntimeError, subprocess.CalledProcessError) as e:  # leave that peer out, say why
+                    print(f"{model}: {peer} did not start ({e}); see {scratch / f'{peer}-{model}.log'}", flush=True)
+                    continue
                 print(f"{model}: {peer} up at {servers[peer][0]}", flush=True)
             if model.startswith("gemma3"):
                 for peer, (url, proc) in servers.items():

@@ -66,11 +66,12 @@ class ModelRunner:
             # [kv_start, end): the first block may start before a sliding window, the last is partial.
             width = max(len(blocks) for blocks, _, _ in decodes)
             block_ids = np.zeros((len(decodes), width), dtype=np.int64)
-            valid = np.zeros((len(decodes), 1, 1, width * bs), dtype=bool)
+            # an additive mask (0 / -inf): SDPA would convert a boolean one in every layer
+            bias = np.full((len(decodes), 1, 1, width * bs), -np.inf, dtype=np.float32)
             for i, (blocks, offset, length) in enumerate(decodes):
                 block_ids[i, : len(blocks)] = blocks
-                valid[i, 0, 0, offset : offset + length] = True
-            decode_blocks, decode_mask = torch.from_numpy(block_ids), torch.from_numpy(valid)
+                bias[i, 0, 0, offset : offset + length] = 0.0
+            decode_blocks, decode_mask = torch.from_numpy(block_ids), torch.from_numpy(bias)
         return GroupAttnMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_parts).astype(np.int64, copy=False)),
             num_decodes=len(decodes),

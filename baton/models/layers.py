@@ -119,7 +119,7 @@ class GroupAttnMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] slot each new token's K/V is written to
     num_decodes: int  # the first num_decodes rows of the batch are single-token decodes
     decode_block_ids: torch.Tensor | None  # [num_decodes, max_blocks] blocks each decode reads, in order
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] float32, 0 or -inf
     prefills: list[PrefillSeq]
 
 
@@ -134,19 +134,24 @@ def paged_attention(
 ) -> torch.Tensor:
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     nd = meta.num_decodes
+    decoded = None
     if nd:
         shape = (nd, meta.decode_mask.shape[-1], *k_cache.shape[1:])
         ids = meta.decode_block_ids.view(-1)
         block_size = shape[1] // meta.decode_block_ids.shape[1]
         kd = k_cache.unflatten(0, (-1, block_size)).index_select(0, ids).view(shape).to(q.dtype).transpose(1, 2)
         vd = v_cache.unflatten(0, (-1, block_size)).index_select(0, ids).view(shape).to(q.dtype).transpose(1, 2)
-        od = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-        )
-        out[:nd] = od.squeeze(2)
+        mask = meta.decode_mask.to(q.dtype)
+        decoded = F.scaled_dot_product_attention(
+            q[:nd].unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa
+        ).squeeze(2)
+        if not meta.prefills:
+            return decoded
+    out = torch.empty_like(q)
+    if decoded is not None:
+        out[:nd] = decoded
     for p in meta.prefills:
         qp = q[p.q_start : p.q_end].transpose(0, 1)
         if p.kv_slots is None:  # read what the cache holds, so a narrower KV dtype rounds alike
