@@ -204,13 +204,16 @@ def main() -> None:
             if model.startswith("gemma3"):
                 for peer, (url, proc) in servers.items():
                     before = peak_rss_mib(proc.pid)
-                    r = run_bench(url, model, *LONG_PROMPT[1:], seed=0, out=scratch / "run.json")
+                    r = run_bench(url, model, *LONG_PROMPT[1:], seed=999, out=scratch / "run.json")
                     long_rows[peer] = (r["ttft_ms"]["median"], before, peak_rss_mib(proc.pid))
                     print(f"[{LONG_PROMPT[0]}] {peer}: median TTFT {long_rows[peer][0]:.0f} ms", flush=True)
             for repeat in range(repeats):
-                for w in WORKLOADS:
+                for i, w in enumerate(WORKLOADS):
+                    # fresh prompts for every workload and repeat: all three peers cache prefixes, and a
+                    # prompt a server saw before would be a cache hit; each peer gets the same prompts
+                    seed = 100 * repeat + i
                     for peer, (url, _) in servers.items():  # the same workload on each peer in turn
-                        r = run_bench(url, model, *w[1:], seed=repeat, out=scratch / "run.json")
+                        r = run_bench(url, model, *w[1:], seed=seed, out=scratch / "run.json")
                         results.setdefault((w[0], peer), []).append(r)
                         print(
                             f"[{model} {w[0]} #{repeat + 1}] {peer}: output {r['output_throughput']:.1f} tok/s, "
