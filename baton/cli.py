@@ -129,8 +129,8 @@ def _router(args: argparse.Namespace) -> None:
 def _pd(args: argparse.Namespace) -> None:
     """A prefill worker, a decode worker (different KV dtype, block size and layout) and a router."""
     import subprocess
-    import time
-    import urllib.request
+
+    from baton.bench.procs import wait_healthy
 
     base = [sys.executable, "-m", "baton.cli", "serve", "--model", args.model, "--served-model-name", args.model]
     p_port, d_port = args.port + 100, args.port + 200
@@ -143,15 +143,11 @@ def _pd(args: argparse.Namespace) -> None:
         ),
     ]
     try:
-        for port in (p_port, d_port):
-            while True:
-                if any(p.poll() is not None for p in procs):
-                    raise ValueError("a worker exited during start-up")
-                try:
-                    if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-                        break
-                except OSError:
-                    time.sleep(1)
+        for port, proc in zip((p_port, d_port), procs):
+            try:
+                wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=600)
+            except RuntimeError as e:
+                raise ValueError(f"a worker did not start: {e}") from None
         procs.append(
             subprocess.Popen(
                 [

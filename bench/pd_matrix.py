@@ -15,12 +15,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from baton.bench.procs import run_bench
+from baton.bench.procs import run_bench, wait_healthy
 from baton.bench.serve import random_prompts
 
 CELLS = [(i, o, c) for i in (128, 2000) for o in (32, 128) for c in (1, 4)]
@@ -32,14 +31,8 @@ def start(args: list[str], port: int) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-                return proc
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"{args[0]} on :{port} did not start")
+    wait_healthy(f"http://127.0.0.1:{port}", proc, 300)
+    return proc
 
 
 def post(url: str, body: dict) -> dict:

@@ -42,25 +42,17 @@ def process_tree(pid: int) -> list[int]:
     return pids
 
 
-def _status_kib(pid: int, field: str) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 def peak_rss_mib(pid: int) -> float:
     """Peak resident memory (VmHWM) of a process and all its descendants, in MiB
     (vLLM runs its engine core and workers as child processes)."""
-    return sum(_status_kib(p, "VmHWM") for p in process_tree(pid)) / 1024
-
-
-def rss_mib(pid: int) -> float:
-    """Resident memory now (VmRSS) of a process and its descendants, in MiB."""
-    return sum(_status_kib(p, "VmRSS") for p in process_tree(pid)) / 1024
+    total = 0
+    for p in process_tree(pid):
+        try:
+            status = Path(f"/proc/{p}/status").read_text().splitlines()
+        except OSError:  # it exited meanwhile
+            continue
+        total += next((int(line.split()[1]) for line in status if line.startswith("VmHWM:")), 0)
+    return total / 1024
 
 
 def run_bench(

@@ -20,7 +20,6 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 32) -> None:
         super().__init__()
-        self.out_features = weight.shape[0]
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
         self.bias = None if bias is None else bias.detach()
 
@@ -33,7 +32,7 @@ def can_pack_linears(dtype: torch.dtype) -> bool:
 
 
 def pack_linears(model: nn.Module) -> None:
-    """Swap every float32 nn.Linear of a loaded model for a PackedLinear (the dense weight is freed)."""
+    """Swap every nn.Linear of a loaded float32 model for a PackedLinear (the dense weight is freed)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
