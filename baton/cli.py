@@ -8,6 +8,7 @@ import signal
 import sys
 
 from baton.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from baton.ops import OpsBuildError
 
 _CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
 
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, TypeError) as e:
+    except (ValueError, FileNotFoundError, TypeError, OpsBuildError) as e:
         print(f"baton: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

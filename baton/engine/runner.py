@@ -13,6 +13,7 @@ from baton.kv.spec import KVGroup
 from baton.kv.storage import KVStorage
 from baton.models.layers import GroupAttnMetadata, PrefillSeq
 from baton.models.llama import ForwardContext
+from baton.ops import ops
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ModelRunner:
         self.kv = kv
         self.storage = storage
         self.block_size = kv.block_size
+        ops()  # build (first run on a machine) or load the compiled ops now, not on the first decode
 
     def _group_metadata(self, group: KVGroup, batch: SchedulerOutput) -> GroupAttnMetadata:
         bs = self.block_size
@@ -60,23 +62,24 @@ class ModelRunner:
                     )
                 )
             row += s.num_new_tokens
-        decode_blocks = decode_mask = None
+        decode_blocks = decode_offsets = decode_lens = None
         if decodes:
-            # Decodes read whole blocks (one contiguous copy each) and mask what lies outside
-            # [kv_start, end): the first block may start before a sliding window, the last is partial.
+            # each decode reads positions [offset, offset + length) of its listed blocks: the first
+            # block may start before a sliding window, the last is partial
             width = max(len(blocks) for blocks, _, _ in decodes)
             block_ids = np.zeros((len(decodes), width), dtype=np.int64)
-            # an additive mask (0 / -inf): SDPA would convert a boolean one in every layer
-            bias = np.full((len(decodes), 1, 1, width * bs), -np.inf, dtype=np.float32)
-            for i, (blocks, offset, length) in enumerate(decodes):
+            for i, (blocks, _, _) in enumerate(decodes):
                 block_ids[i, : len(blocks)] = blocks
-                bias[i, 0, 0, offset : offset + length] = 0.0
-            decode_blocks, decode_mask = torch.from_numpy(block_ids), torch.from_numpy(bias)
+            decode_blocks = torch.from_numpy(block_ids)
+            decode_offsets = torch.tensor([offset for _, offset, _ in decodes], dtype=torch.long)
+            decode_lens = torch.tensor([length for _, _, length in decodes], dtype=torch.long)
         return GroupAttnMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_parts).astype(np.int64, copy=False)),
+            block_size=bs,
             num_decodes=len(decodes),
             decode_block_ids=decode_blocks,
-            decode_mask=decode_mask,
+            decode_kv_offsets=decode_offsets,
+            decode_kv_lens=decode_lens,
             prefills=prefills,
         )
 

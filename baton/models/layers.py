@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.models.model_config import RopeConfig
+from baton.ops import paged_decode_attention
 
 
 class PackedLinear(nn.Module):
@@ -116,9 +117,11 @@ class GroupAttnMetadata:
     """How one KV group's layers read and write the cache in this step."""
 
     slot_mapping: torch.Tensor  # [num_tokens] slot each new token's K/V is written to
+    block_size: int
     num_decodes: int  # the first num_decodes rows of the batch are single-token decodes
     decode_block_ids: torch.Tensor | None  # [num_decodes, max_blocks] blocks each decode reads, in order
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] float32, 0 or -inf
+    decode_kv_offsets: torch.Tensor | None  # [num_decodes] first position read, within the first block
+    decode_kv_lens: torch.Tensor | None  # [num_decodes] positions read from there on
     prefills: list[PrefillSeq]
 
 
@@ -133,24 +136,24 @@ def paged_attention(
 ) -> torch.Tensor:
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    gqa = q.shape[1] != k.shape[1]
     nd = meta.num_decodes
-    decoded = None
-    if nd:
-        shape = (nd, meta.decode_mask.shape[-1], *k_cache.shape[1:])
-        ids = meta.decode_block_ids.view(-1)
-        block_size = shape[1] // meta.decode_block_ids.shape[1]
-        kd = k_cache.unflatten(0, (-1, block_size)).index_select(0, ids).view(shape).to(q.dtype).transpose(1, 2)
-        vd = v_cache.unflatten(0, (-1, block_size)).index_select(0, ids).view(shape).to(q.dtype).transpose(1, 2)
-        mask = meta.decode_mask.to(q.dtype)
-        decoded = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa
-        ).squeeze(2)
+    if nd:  # read in place from the blocks (baton/ops/paged_attention.cpp)
+        decoded = paged_decode_attention(
+            q[:nd],
+            k_cache,
+            v_cache,
+            meta.decode_block_ids,
+            meta.decode_kv_offsets,
+            meta.decode_kv_lens,
+            meta.block_size,
+            scale,
+        )
         if not meta.prefills:
             return decoded
     out = torch.empty_like(q)
-    if decoded is not None:
+    if nd:
         out[:nd] = decoded
+    gqa = q.shape[1] != k.shape[1]
     for p in meta.prefills:
         qp = q[p.q_start : p.q_end].transpose(0, 1)
         if p.kv_slots is None:  # read what the cache holds, so a narrower KV dtype rounds alike

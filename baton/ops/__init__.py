@@ -1,0 +1,61 @@
+"""Baton's compiled CPU ops, built once per machine by torch's extension builder (the system's g++;
+ninja from PATH or the `ninja` wheel) and cached under ~/.cache/baton/ops: a later import loads
+the cached library in well under a second."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+# -march=native: the library is built on the machine that runs it (AVX-512 where the CPU has it)
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
+
+
+class OpsBuildError(RuntimeError):
+    pass
+
+
+@functools.cache
+def ops() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH: use the pip wheel's
+        import ninja
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    build_dir = Path(os.path.expanduser("~/.cache/baton/ops")) / f"torch-{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name="baton_ops",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as e:
+        raise OpsBuildError(
+            f"building baton's CPU ops failed (needs g++ and ninja on PATH): {e}; build dir {build_dir}"
+        ) from e
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_offset: torch.Tensor,
+    kv_len: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """[seqs, heads, dim] attention of one query token per sequence over positions
+    [kv_offset, kv_offset + kv_len) of the blocks its block_table row lists, read in place."""
+    return ops().paged_decode_attention(q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale)

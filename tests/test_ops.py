@@ -1,0 +1,84 @@
+"""The compiled decode-attention op against attention written out by hand in float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from baton.ops import paged_decode_attention
+
+
+def reference(q, k_cache, v_cache, block_table, offsets, lens, block_size, scale):
+    """softmax(q . K^T * scale) V over each sequence's listed positions, float64, one head at a time."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_cache.shape[1]
+    for s in range(q.shape[0]):
+        slots = (block_table[s][:, None] * block_size + torch.arange(block_size)).flatten()
+        slots = slots[offsets[s] : offsets[s] + lens[s]]
+        for h in range(q.shape[1]):
+            k = k_cache[slots, h // group].double()
+            v = v_cache[slots, h // group].double()
+            w = torch.softmax(k @ q[s, h].double() * scale, dim=0)
+            out[s, h] = w @ v
+    return out
+
+
+def random_case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_len, dtype, layout, seed):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = num_seqs * (max_len // block_size + 2) + 3
+    shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    if layout == "HND":  # [heads, slots, dim] storage read through a [slots, heads, dim] view
+        k_cache = torch.randn(shape[1], shape[0], shape[2], generator=g).to(dtype).transpose(0, 1)
+        v_cache = torch.randn(shape[1], shape[0], shape[2], generator=g).to(dtype).transpose(0, 1)
+    else:
+        k_cache = torch.randn(shape, generator=g).to(dtype)
+        v_cache = torch.randn(shape, generator=g).to(dtype)
+    lens = torch.randint(1, max_len + 1, (num_seqs,), generator=g)
+    offsets = torch.randint(0, block_size, (num_seqs,), generator=g)  # a window starting mid-block
+    width = int(((offsets + lens + block_size - 1) // block_size).max())
+    perm = torch.randperm(num_blocks, generator=g)
+    block_table = perm[: num_seqs * width].view(num_seqs, width).contiguous()
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=g)
+    return q, k_cache, v_cache, block_table, offsets, lens
+
+
+@pytest.mark.parametrize(
+    "num_seqs,num_heads,num_kv_heads,head_dim,block_size,max_len,dtype,layout",
+    [
+        (1, 9, 3, 64, 16, 300, torch.float32, "NHD"),  # SmolLM2's heads, one sequence: heads split over threads
+        (8, 9, 3, 64, 16, 300, torch.float32, "NHD"),
+        (5, 4, 1, 256, 16, 600, torch.float32, "NHD"),  # Gemma3-270M's heads
+        (3, 4, 4, 40, 7, 50, torch.float32, "HND"),  # head_dim not a multiple of the vector width
+        (4, 6, 2, 64, 16, 200, torch.bfloat16, "NHD"),
+        (2, 2, 2, 32, 4, 1, torch.float32, "NHD"),  # a single position
+    ],
+)
+def test_decode_attention_matches_a_hand_written_softmax(
+    num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_len, dtype, layout
+):
+    case = random_case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_len, dtype, layout, seed=0)
+    scale = 1 / math.sqrt(head_dim)
+    out = paged_decode_attention(*case, block_size, scale)
+    ref = reference(*case, block_size, scale)
+    assert out.shape == case[0].shape and out.dtype == case[0].dtype
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_of_a_sequence_does_not_depend_on_its_batch():
+    q, k_cache, v_cache, table, offsets, lens = random_case(8, 9, 3, 64, 16, 300, torch.float32, "NHD", seed=1)
+    together = paged_decode_attention(q, k_cache, v_cache, table, offsets, lens, 16, 0.125)
+    for s in range(8):
+        alone = paged_decode_attention(
+            q[s : s + 1], k_cache, v_cache, table[s : s + 1], offsets[s : s + 1], lens[s : s + 1], 16, 0.125
+        )
+        assert torch.equal(alone, together[s : s + 1])
+
+
+def test_decode_attention_rejects_mismatched_inputs():
+    q, k_cache, v_cache, table, offsets, lens = random_case(2, 4, 2, 16, 4, 20, torch.float32, "NHD", seed=2)
+    with pytest.raises(RuntimeError, match="block_table"):
+        paged_decode_attention(q, k_cache, v_cache, table.int(), offsets, lens, 4, 0.25)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        paged_decode_attention(q[:, :3], k_cache, v_cache, table, offsets, lens, 4, 0.25)
