@@ -5,7 +5,7 @@
 `concurrency` requests with random 128-token prompts are prefilled, then `--steps` decode
 steps are timed. Each part of `LLMEngine.step` is wrapped with a timer: scheduling, building
 the batch tensors (positions, slot mappings, KV read indices), the model split into attention
-(paged_attention: cache write, KV gather, SDPA) and the rest (linears, norms, rotary),
+(paged_attention: cache write, the decode kernel over KV blocks) and the rest (linears, norms, rotary),
 the lm_head, sampling, and the output bookkeeping (detokenizing, stop checks, RequestOutput).
 The HTTP share is the server's median TPOT at the same concurrency (`baton bench serve`)
 minus the step time printed here.
@@ -79,7 +79,7 @@ def main() -> None:
     step = statistics.median(step_times) * 1e3
     mean = sum(step_times) / len(step_times) * 1e3
     parts = {
-        "attention (write, gather, SDPA)": ms["attention"],
+        "attention (KV write, kernel)": ms["attention"],
         "linears, norms, rotary": ms["model"] - ms["attention"],
         "lm_head": ms["lm_head"],
         "sampling": ms["sampling"],

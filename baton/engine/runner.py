@@ -11,7 +11,7 @@ from baton.engine.scheduler import SchedulerOutput
 from baton.kv.manager import KVManager
 from baton.kv.spec import KVGroup
 from baton.kv.storage import KVStorage
-from baton.models.layers import GroupAttnMetadata, PrefillSeq
+from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq
 from baton.models.llama import ForwardContext
 from baton.ops import ops
 
@@ -48,18 +48,12 @@ class ModelRunner:
             kv_pos = np.arange(kv_start, end)
             kv_slots = np.asarray(table, dtype=np.int64)[kv_pos // bs] * bs + kv_pos % bs
             slot_parts.append(kv_slots[s.start - kv_start :])
-            if s.start == 0:
-                mask = None
-                if window is not None and s.num_new_tokens > window:
-                    q_pos = np.arange(s.num_new_tokens)
-                    mask = _attend_mask(q_pos, q_pos, window)
-                prefills.append(PrefillSeq(row, row + s.num_new_tokens, None, mask))
+            if s.start == 0 and (window is None or s.num_new_tokens <= window):
+                prefills.append(PrefillSeq(row, row + s.num_new_tokens, None, []))  # K/V from the batch, causal
             else:
-                q_pos = np.arange(s.start, end)
+                slots = None if s.start == 0 else torch.from_numpy(kv_slots)
                 prefills.append(
-                    PrefillSeq(
-                        row, row + s.num_new_tokens, torch.from_numpy(kv_slots), _attend_mask(q_pos, kv_pos, window)
-                    )
+                    PrefillSeq(row, row + s.num_new_tokens, slots, _kv_tiles(s.start, end, kv_start, window))
                 )
             row += s.num_new_tokens
         decode_blocks = decode_offsets = decode_lens = None
@@ -108,9 +102,25 @@ class ModelRunner:
         return ModelOutput(logits, sample_rows, prompt_rows)
 
 
-def _attend_mask(q_pos: np.ndarray, kv_pos: np.ndarray, window: int | None) -> torch.Tensor:
-    """[q, kv] bool: causal, and inside the window for a sliding layer."""
-    visible = kv_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        visible &= kv_pos[None, :] > q_pos[:, None] - window
-    return torch.from_numpy(visible)
+KV_TILE = 1024  # context positions one prefill attention call reads (at least the chunk's length)
+
+
+def _kv_tiles(q_start: int, end: int, kv_start: int, window: int | None) -> list[KVTile]:
+    """Split the context [kv_start, end) of queries at [q_start, end) into tiles, newest first;
+    masks only where a tile is not visible to every query (the causal edge, a window's edge)."""
+    q_pos = np.arange(q_start, end)
+    size = max(KV_TILE, end - q_start)
+    tiles = []
+    for hi in range(end, kv_start, -size):
+        lo = max(kv_start, hi - size)
+        if hi - 1 <= q_start and (window is None or lo > end - 1 - window):
+            tiles.append(KVTile(lo - kv_start, hi - kv_start, None, None))
+            continue
+        kv_pos = np.arange(lo, hi)
+        visible = kv_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            visible &= kv_pos[None, :] > q_pos[:, None] - window
+        mask = torch.from_numpy(np.where(visible, np.float32(0), np.float32(-np.inf)))
+        blind = ~visible.any(axis=1)
+        tiles.append(KVTile(lo - kv_start, hi - kv_start, mask, torch.from_numpy(blind) if blind.any() else None))
+    return tiles

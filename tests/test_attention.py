@@ -1,4 +1,5 @@
-"""The compiled decode-attention op against attention written out by hand in float64."""
+"""Decode attention (the compiled op) and tiled prefill attention against attention written out
+by hand in float64."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import math
 import pytest
 import torch
 
+import baton.engine.runner as runner
+from baton.models.layers import PrefillSeq, _prefill_attention
 from baton.ops import paged_decode_attention
 
 
@@ -82,3 +85,48 @@ def test_decode_attention_rejects_mismatched_inputs():
         paged_decode_attention(q, k_cache, v_cache, table.int(), offsets, lens, 4, 0.25)
     with pytest.raises(RuntimeError, match="head shapes"):
         paged_decode_attention(q[:, :3], k_cache, v_cache, table, offsets, lens, 4, 0.25)
+
+
+def causal_reference(q, k, v, q_pos, kv_pos, window, scale):
+    """[q, heads, dim] float64: each query over the positions it may see (causal, inside the window)."""
+    group = q.shape[1] // k.shape[1]
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(group, 1)) * scale
+    visible = kv_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= kv_pos[None, :] > q_pos[:, None] - window
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, v.double().repeat_interleave(group, 1))
+
+
+@pytest.mark.parametrize(
+    "q_start,num_queries,window,blind",
+    [
+        (50, 13, None, False),  # a chunk after 50 cached positions: 8-position tiles, the newest one causal
+        (0, 30, 9, False),  # a whole prompt longer than its window: one tile, masked on both edges
+        (37, 20, 12, True),  # a later chunk of a sliding layer: the newest queries see nothing of the older tile
+        (5, 1, None, False),  # one query
+    ],
+)
+def test_prefill_attention_over_tiles_matches_one_softmax(monkeypatch, q_start, num_queries, window, blind):
+    monkeypatch.setattr(runner, "KV_TILE", 8)  # many tiles for short contexts
+    g = torch.Generator().manual_seed(q_start + num_queries)
+    heads, kv_heads, dim = 6, 2, 16
+    end = q_start + num_queries
+    kv_start = 0 if window is None else max(0, q_start - window + 1)
+    q = torch.randn(num_queries, heads, dim, generator=g)
+    k = torch.randn(end, kv_heads, dim, generator=g)
+    v = torch.randn(end, kv_heads, dim, generator=g)
+    # the cache holds positions in scattered slots; kv_slots lists them from kv_start on
+    slots = torch.randperm(200, generator=g)[:end]
+    k_cache = torch.zeros(200, kv_heads, dim).index_copy_(0, slots, k)
+    v_cache = torch.zeros(200, kv_heads, dim).index_copy_(0, slots, v)
+    tiles = runner._kv_tiles(q_start, end, kv_start, window)
+    assert len(tiles) == -(-(end - kv_start) // max(8, num_queries))
+    assert any(t.blind_rows is not None for t in tiles) == blind
+    kv_slots = None if q_start == 0 else slots[kv_start:]
+    p = PrefillSeq(0, num_queries, kv_slots, tiles)
+    out = _prefill_attention(q, k[q_start:], v[q_start:], k_cache, v_cache, p, 0.25)
+    ref = causal_reference(
+        q, k[kv_start:], v[kv_start:], torch.arange(q_start, end), torch.arange(kv_start, end), window, 0.25
+    )
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
