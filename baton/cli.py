@@ -135,6 +135,8 @@ def _pd(args: argparse.Namespace) -> None:
 
     base = [sys.executable, "-m", "baton.cli", "serve", "--model", args.model, "--served-model-name", args.model]
     p_port, d_port = args.port + 100, args.port + 200
+    # `kill <pid>` must stop the workers too: SIGTERM becomes SystemExit, so the finally below runs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     procs = [
         subprocess.Popen(
             [*base, "--kv-role", "prefill", "--port", str(p_port), "--block-size", "16", "--kv-cache-dtype", "bfloat16"]
@@ -174,7 +176,10 @@ def _pd(args: argparse.Namespace) -> None:
         for p in procs:
             p.send_signal(signal.SIGTERM)
         for p in procs:
-            p.wait(timeout=60)
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def build_parser() -> argparse.ArgumentParser:

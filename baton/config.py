@@ -17,7 +17,7 @@ class ModelConfig:
     tokenizer: str | None = None
     """Tokenizer directory; defaults to the model's own."""
     packed_linears: bool = True
-    """float32: run the linears on oneDNN-packed weights (false: torch's default F.linear)."""
+    """float32: run the linears on baton's panel kernel over packed weights (false: torch's F.linear)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

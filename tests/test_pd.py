@@ -13,6 +13,7 @@ import time
 import pytest
 import requests
 
+from baton.bench.procs import process_tree
 from tests.server_util import ServerProcess, free_port
 
 PROMPTS = [
@@ -144,3 +145,37 @@ def test_killing_the_prefill_worker_never_hangs_a_request(trio):
     )
     assert local >= 1
     router.stop()
+
+
+def test_baton_pd_stops_its_workers_and_router_on_sigterm():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "baton.cli", "pd", "--model", "smollm2-135m", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.5)
+        else:
+            raise AssertionError("baton pd did not come up")
+        r = requests.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 4},
+            timeout=120,
+        )
+        assert r.status_code == 200
+        children = process_tree(proc.pid)[1:]
+        assert len(children) >= 3  # prefill worker, decode worker, router
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+        for pid in children:
+            assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -10,26 +10,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.models.model_config import RopeConfig
-from baton.ops import paged_decode_attention
+from baton.ops import pack_weight_panels, paged_decode_attention, panel_linear
 
 
 class PackedLinear(nn.Module):
-    """A float32 linear whose weight oneDNN reordered once into its blocked layout. On this
-    kind of CPU it runs decode-sized matmuls about 2x faster than `F.linear` (which re-reads the
-    plain row-major weight through MKL), prefill-sized ones 10-25% faster, with the same results.
-    `batch_hint` is the row count the layout is tuned for; any row count works."""
+    """A float32 linear over baton's own kernel (baton/ops/linear.cpp): the weight packed once
+    into column panels that the kernel streams at close to the machine's read rate. Against
+    oneDNN's packed linears on SmolLM2's 121 projections: 1 row 25.4 -> 16.0 ms, 8 rows 26 -> 17,
+    32 rows 52 -> 46, 1,024 rows 1,374 -> 1,386 (even). Every output is summed in the same order
+    whatever the row count, so a row's bits do not depend on its batch."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 32) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
-        self.bias = None if bias is None else bias.detach()
+        self.panels = pack_weight_panels(weight.detach().float().contiguous())
+        self.out_features = weight.shape[0]
+        self.bias = None if bias is None else bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return panel_linear(x, self.panels, self.bias, self.out_features)
 
 
 def can_pack_linears(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return dtype == torch.float32
 
 
 def pack_linears(model: nn.Module) -> None:

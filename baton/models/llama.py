@@ -112,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def pack_linears(self) -> None:
-        """Run the projections and the lm_head through oneDNN's packed float32 path (after loading).
+        """Run the projections and the lm_head through baton's packed float32 kernel (after loading).
         A tied lm_head gets its own packed copy: the embedding stays a plain table for lookups."""
         if self.lm_head is None:
             self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False, device="meta")

@@ -5,6 +5,7 @@ the cached library in well under a second."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -12,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+SOURCES = [Path(__file__).with_name(f) for f in ("bindings.cpp", "paged_attention.cpp", "linear.cpp")]
 # -march=native: the library is built on the machine that runs it (AVX-512 where the CPU has it)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
 
@@ -29,7 +30,9 @@ def ops() -> ModuleType:
         import ninja
 
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-    build_dir = Path(os.path.expanduser("~/.cache/baton/ops")) / f"torch-{torch.__version__}"
+    # one build per source state (headers included, which torch's builder does not hash)
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.[ch]*")))).hexdigest()
+    build_dir = Path(os.path.expanduser("~/.cache/baton/ops")) / f"torch-{torch.__version__}-{digest[:12]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
@@ -59,3 +62,14 @@ def paged_decode_attention(
     """[seqs, heads, dim] attention of one query token per sequence over positions
     [kv_offset, kv_offset + kv_len) of the blocks its block_table row lists, read in place."""
     return ops().paged_decode_attention(q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale)
+
+
+def pack_weight_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float32 -> [ceil(N / 16), K, 16] column panels for `panel_linear`."""
+    return ops().pack_weight_panels(weight)
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [rows, K] @ W^T (+ bias) over a weight packed by `pack_weight_panels`; a row's result
+    does not depend on the other rows."""
+    return ops().panel_linear(x, panels, bias, out_features)

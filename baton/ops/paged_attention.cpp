@@ -1,21 +1,9 @@
 // Decode attention that reads K/V where they live: each sequence's block table is walked
 // block by block with an online softmax, so no gathered copy of the context and no mask.
 // The query heads of a kv head (GQA) share every K/V row read.
-// Vector width from the build machine's flags (-march=native): the same selection torch makes
-// for its own CPU kernels, so at::vec::Vectorized<float> is 16 lanes under AVX-512, 8 under AVX2.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY_AVX512
-#define CPU_CAPABILITY AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#define CPU_CAPABILITY AVX2
-#else
-#define CPU_CAPABILITY DEFAULT
-#endif
+#include "cpu_vec.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -25,8 +13,6 @@
 #include <vector>
 
 namespace {
-
-using Vec = at::vec::Vectorized<float>;
 
 inline float dot(const float* a, const float* b, int64_t d) {
   Vec s(0.f);
@@ -167,6 +153,8 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
   });
 }
 
+}  // namespace
+
 // out[s] = softmax(q[s] . K^T * scale) V over positions [kv_offset[s], kv_offset[s] + kv_len[s])
 // of the concatenated blocks block_table[s, :], where block j holds slots
 // [block_table[s, j] * block_size, (block_table[s, j] + 1) * block_size) of the caches.
@@ -196,8 +184,3 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V, read in place");
-}

@@ -1,0 +1,18 @@
+#pragma once
+// Vector width from the build machine's flags (-march=native): the same selection torch makes
+// for its own CPU kernels, so at::vec::Vectorized<float> is 16 lanes under AVX-512, 8 under AVX2.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+using Vec = at::vec::Vectorized<float>;
+
