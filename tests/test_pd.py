@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from baton.bench.procs import process_tree
+from baton.bench.procs import process_tree, wait_healthy
 from tests.server_util import ServerProcess, free_port
 
 PROMPTS = [
@@ -155,15 +155,7 @@ def test_baton_pd_stops_its_workers_and_router_on_sigterm():
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.5)
-        else:
-            raise AssertionError("baton pd did not come up")
+        wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=300)
         r = requests.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 4},
