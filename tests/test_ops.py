@@ -10,7 +10,16 @@ import torch
 
 import baton.engine.runner as runner
 from baton.models.layers import PrefillSeq, _prefill_attention
-from baton.ops import pack_weight_panels, paged_decode_attention, panel_linear
+from baton.ops import (
+    empty_huge_pages,
+    gated_act,
+    pack_weight_panels,
+    paged_decode_attention,
+    panel_linear,
+    rms_norm,
+    rms_norm_heads_,
+    rotary_,
+)
 
 
 def reference(q, k_cache, v_cache, block_table, offsets, lens, block_size, scale):
@@ -155,3 +164,81 @@ def test_panel_linear_gives_a_row_the_same_bits_in_any_batch():
     for rows in (1, 3, 8, 9):
         assert torch.equal(panel_linear(x[:rows], packed, None, 100), together[:rows])
     assert torch.equal(panel_linear(x[5:6], packed, None, 100), together[5:6])
+
+
+F32 = {"rtol": 1e-5, "atol": 1e-5}  # float32 results against float64 references
+
+
+def rms_reference(x, w, eps, offset):
+    x = x.double()
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + w.double())
+
+
+@pytest.mark.parametrize("rows,dim,offset", [(1, 576, 0.0), (7, 640, 1.0), (300, 40, 0.0), (2, 3, 1.0)])
+def test_rms_norm_matches_float64(rows, dim, offset):
+    g = torch.Generator().manual_seed(dim)
+    x, w = torch.randn(rows, dim, generator=g) * 3, torch.randn(dim, generator=g)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6, offset).double(), rms_reference(x, w, 1e-6, offset), **F32)
+
+
+def test_rms_norm_adds_the_residual_in_place_first():
+    g = torch.Generator().manual_seed(0)
+    x, residual, w = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.randn(96, generator=g)
+    total = x.double() + residual.double()
+    out = rms_norm(x, w, 1e-5, residual=residual)
+    torch.testing.assert_close(residual.double(), total, **F32)
+    torch.testing.assert_close(out.double(), rms_reference(total, w, 1e-5, 0.0), **F32)
+
+
+def test_rms_norm_of_heads_normalizes_each_head_of_a_strided_view_in_place():
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(3, 7 * 32, generator=g)
+    w = torch.randn(32, generator=g)
+    before = qkv.clone()
+    k = qkv[:, 4 * 32 : 6 * 32].view(3, 2, 32)  # the k heads of a fused qkv row
+    rms_norm_heads_(k, w, 1e-6, 1.0)
+    ref = rms_reference(before[:, 4 * 32 : 6 * 32].view(3, 2, 32), w, 1e-6, 1.0)
+    torch.testing.assert_close(k.double(), ref, **F32)
+    untouched = torch.cat([qkv[:, : 4 * 32], qkv[:, 6 * 32 :]], 1)
+    assert torch.equal(untouched, torch.cat([before[:, : 4 * 32], before[:, 6 * 32 :]], 1))
+
+
+@pytest.mark.parametrize("dim", [64, 256, 40])
+def test_rotary_matches_the_rotation_written_out(dim):
+    g = torch.Generator().manual_seed(dim)
+    tokens, heads, half = 5, 3, dim // 2
+    x = torch.randn(tokens, heads, dim, generator=g)
+    angle = torch.rand(tokens, half, generator=g, dtype=torch.float64) * 100
+    x1, x2 = x[..., :half].double(), x[..., half:].double()
+    c, s = angle.cos()[:, None], angle.sin()[:, None]
+    ref = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)  # rotate each (x1_i, x2_i) pair by its angle
+    cos = torch.cat([angle.cos(), angle.cos()], -1).float()
+    signed_sin = torch.cat([-angle.sin(), angle.sin()], -1).float()
+    rotary_(x, cos, signed_sin)
+    torch.testing.assert_close(x.double(), ref, **F32)
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gated_act_matches_float64(gelu):
+    g = torch.Generator().manual_seed(int(gelu))
+    x = torch.randn(4, 2 * 100, generator=g) * 4
+    gate, up = x.double().chunk(2, -1)
+    if gelu:
+        act = 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)))
+    else:
+        act = gate / (1 + torch.exp(-gate))
+    torch.testing.assert_close(gated_act(x, gelu).double(), act * up, **F32)
+
+
+def test_row_ops_give_a_row_the_same_bits_in_any_batch():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(9, 64, generator=g), torch.randn(64, generator=g)
+    assert torch.equal(rms_norm(x[3:4], w, 1e-6), rms_norm(x, w, 1e-6)[3:4])
+    assert torch.equal(gated_act(x[3:4], True), gated_act(x, True)[3:4])
+
+
+def test_huge_page_tensor_is_writable_and_sized():
+    t = empty_huge_pages(3 * 4 + 1)
+    assert t.dtype == torch.uint8 and t.numel() == 13
+    t.fill_(7)
+    assert int(t.sum()) == 91

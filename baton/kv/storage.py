@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from baton.kv.spec import KVSpec
+from baton.ops import empty_huge_pages
 
 KV_LAYOUTS = {"NHD": "LTHD", "HND": "LHTD"}  # storage layout -> axis order of a group's tensor
 
@@ -27,8 +30,8 @@ class KVStorage:
         for g, n in zip(spec.groups, num_blocks):
             dims = {"L": len(g.layer_ids), "T": n * spec.block_size, "H": g.num_kv_heads, "D": g.head_dim}
             shape = tuple(dims[a] for a in self.span_layout)
-            self.k.append(torch.zeros(shape, dtype=dtype, device=device))
-            self.v.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.k.append(_zeros(shape, dtype, device))
+            self.v.append(_zeros(shape, dtype, device))
 
     def group_view(self, group_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a group as [layers, slots, heads, dim] views."""
@@ -44,3 +47,10 @@ class KVStorage:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """The pool on transparent huge pages on the CPU: decode reads blocks scattered over it."""
+    if device != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return empty_huge_pages(math.prod(shape) * dtype.itemsize).view(dtype).view(shape).zero_()

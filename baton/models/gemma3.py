@@ -22,11 +22,18 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, 1.0)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, 1.0)
 
-    def forward(self, x: torch.Tensor, rope: dict, ctx: ForwardContext) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), rope[self.self_attn.kind], ctx)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(h)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: dict, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sandwich norms: the stream takes post_attention_layernorm(attn) and
+        post_feedforward_layernorm(mlp); the latter is added by the next layer's input norm."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope[self.self_attn.kind], ctx)
+        h = self.mlp(self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual))
+        return self.post_feedforward_layernorm(h), residual
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -10,7 +10,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.models.model_config import RopeConfig
-from baton.ops import pack_weight_panels, paged_decode_attention, panel_linear
+from baton.ops import (
+    PANEL,
+    empty_huge_pages,
+    gated_act,
+    pack_weight_panels,
+    paged_decode_attention,
+    panel_linear,
+    rms_norm,
+    rms_norm_heads_,
+    rotary_,
+)
 
 
 class PackedLinear(nn.Module):
@@ -20,9 +30,11 @@ class PackedLinear(nn.Module):
     32 rows 52 -> 46, 1,024 rows 1,374 -> 1,386 (even). Every output is summed in the same order
     whatever the row count, so a row's bits do not depend on its batch."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> None:
+        """`out`: where to keep the panels (a slice of a shared arena), else a tensor of their own."""
         super().__init__()
-        self.panels = pack_weight_panels(weight.detach().float().contiguous())
+        panels = pack_weight_panels(weight.detach().float().contiguous())
+        self.panels = panels if out is None else out.view(panels.shape).copy_(panels)
         self.out_features = weight.shape[0]
         self.bias = None if bias is None else bias.detach().contiguous()
 
@@ -35,15 +47,24 @@ def can_pack_linears(dtype: torch.dtype) -> bool:
 
 
 def pack_linears(model: nn.Module) -> None:
-    """Swap every nn.Linear of a loaded float32 model for a PackedLinear (the dense weight is freed)."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+    """Swap every nn.Linear of a loaded float32 model for a PackedLinear (the dense weight is freed).
+    All panels live in one arena on transparent huge pages: a decode step streams every weight,
+    and with 4 KiB pages that is a TLB miss every 4 KiB (1 row: 3%, 8 rows: 9% faster, A/B)."""
+    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
+    linears = [(parent, name, child) for parent, name, child in linears if isinstance(child, nn.Linear)]
+    sizes = [-(-child.out_features // PANEL) * PANEL * child.in_features for _, _, child in linears]
+    arena = empty_huge_pages(4 * sum(sizes)).view(torch.float32)
+    offset = 0
+    for (parent, name, child), size in zip(linears, sizes):
+        setattr(parent, name, PackedLinear(child.weight, child.bias, arena[offset : offset + size]))
+        child.weight = None  # free the dense copy now, not after the loop
+        offset += size
 
 
 class RMSNorm(nn.Module):
-    """`offset=1.0` gives Gemma's (1 + w) scaling computed in float32 before the cast back."""
+    """`offset=1.0` gives Gemma's (1 + w) scaling computed in float32 before the cast back.
+    Given the residual stream, `residual += x` first (in place) and the sum is normalized: the
+    pre-norm block's add and norm in one pass."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -51,16 +72,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, bit-identical to the steps below in float32
-            if self.offset:
-                return F.rms_norm(x, self.weight.shape, None, self.eps) * (self.offset + self.weight)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype == torch.float32:  # baton/ops/pointwise.cpp: one pass instead of 5-7 torch ops
+            return rms_norm(x, self.weight, self.eps, self.offset, residual)
+        if residual is not None:
+            x = residual.add_(x)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
             return (h * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
+
+    def heads_(self, x: torch.Tensor) -> None:
+        """Normalize every head of x [T, heads, D] in place (q/k norm)."""
+        if x.dtype == torch.float32:
+            rms_norm_heads_(x, self.weight, self.eps, self.offset)
+        else:
+            x.copy_(self(x))
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -99,9 +127,21 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = cat(x2, x1) * cat(-sin1, sin2)."""
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = cat(x2, x1) * cat(-sin1, sin2);
+    in place on x [T, heads, D] where it is float32."""
+    if x.dtype == torch.float32:
+        rotary_(x, cos[:, 0], signed_sin[:, 0])
+        return x
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+
+
+def gated_activation(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+    """[T, 2I] = [gate | up] -> act(gate) * up."""
+    if gate_up.dtype == torch.float32:
+        return gated_act(gate_up, gelu_tanh)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") if gelu_tanh else F.silu(gate)) * up
 
 
 @dataclass

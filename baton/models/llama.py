@@ -9,7 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.storage import KVStorage
-from baton.models.layers import GroupAttnMetadata, RMSNorm, Rotary, apply_rotary, pack_linears, paged_attention
+from baton.models.layers import (
+    GroupAttnMetadata,
+    RMSNorm,
+    Rotary,
+    apply_rotary,
+    gated_activation,
+    pack_linears,
+    paged_attention,
+)
 from baton.models.model_config import TextModelConfig
 
 
@@ -45,14 +53,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         q_size, kv_size, _ = self.sizes
         v = qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        cos, sin = rope
-        if self.q_norm is None:  # rotate q and k heads in one pass
-            qk = apply_rotary(qkv[:, : q_size + kv_size].view(n, -1, self.head_dim), cos, sin)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        else:
-            q = self.q_norm(qkv[:, :q_size].view(n, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(n, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qk = qkv[:, : q_size + kv_size].view(n, -1, self.head_dim)  # q heads then k heads
+        if self.q_norm is not None:
+            self.q_norm.heads_(qk[:, : self.num_heads])
+            self.k_norm.heads_(qk[:, self.num_heads :])
+        qk = apply_rotary(qk, *rope)  # q and k heads in one pass
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_cache, v_cache, meta = ctx.for_layer(self.layer_id)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, -1))
@@ -66,9 +72,7 @@ class GatedMLP(nn.Module):
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
+        return self.down_proj(gated_activation(self.gate_up_proj(x), self.gelu))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -79,9 +83,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: dict, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope[self.self_attn.kind], ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: dict, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (the embedding
+        itself at the first layer, residual None). Returns this layer's output and the stream."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope[self.self_attn.kind], ctx)
+        return self.mlp(self.post_attention_layernorm(h, residual)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -107,9 +119,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         kinds = {layer.self_attn.kind for layer in self.layers}
         rope = {kind: self.rotary[kind](positions, x.dtype) for kind in kinds}
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, ctx)
+        return self.norm(x, residual)
 
     def pack_linears(self) -> None:
         """Run the projections and the lm_head through baton's packed float32 kernel (after loading).

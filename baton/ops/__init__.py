@@ -13,9 +13,12 @@ from types import ModuleType
 
 import torch
 
-SOURCES = [Path(__file__).with_name(f) for f in ("bindings.cpp", "paged_attention.cpp", "linear.cpp")]
+SOURCES = [Path(__file__).with_name(f) for f in ("bindings.cpp", "paged_attention.cpp", "linear.cpp", "pointwise.cpp")]
 # -march=native: the library is built on the machine that runs it (AVX-512 where the CPU has it)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
+
+
+PANEL = 16  # output features per panel of a packed weight (kLanes in linear.cpp)
 
 
 class OpsBuildError(RuntimeError):
@@ -73,3 +76,32 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     """x [rows, K] @ W^T (+ bias) over a weight packed by `pack_weight_panels`; a row's result
     does not depend on the other rows."""
     return ops().panel_linear(x, panels, bias, out_features)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * (offset + weight) over float32 rows [T, D]; with `residual`,
+    residual += x first (in place) and the sum is normalized."""
+    return ops().rms_norm(x, residual, weight, eps, offset)
+
+
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> None:
+    """RMS norm of every head of x [T, heads, D] in place (q/k norm)."""
+    ops().rms_norm_heads_(x, weight, eps, offset)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """x [T, heads, D] = x * cos + rotate_half(x) * sin in place; cos and sin [T, D], the sign of
+    rotate_half folded into sin's first half."""
+    ops().rotary_(x, cos, signed_sin)
+
+
+def gated_act(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+    """[T, 2I] = [gate | up] -> act(gate) * up, act silu or tanh-approximated gelu."""
+    return ops().gated_act(gate_up, gelu_tanh)
+
+
+def empty_huge_pages(nbytes: int) -> torch.Tensor:
+    """`nbytes` uninitialized bytes (uint8) on transparent huge pages where the kernel grants them."""
+    return ops().empty_huge_pages(nbytes)

@@ -1,0 +1,177 @@
+// The small per-layer ops of a decode step, one pass each: RMS norm (with the residual add
+// folded in), rotary embedding in place, and the gated activation of the MLP. As torch ops
+// they cost 10-30 us a call at one token (F.rms_norm alone is five kernels on the CPU), which
+// at 30 layers is milliseconds per step; here a call is a row loop over vectors. Every row is
+// computed alone, so a row's result does not depend on the other rows of the batch.
+#include "cpu_vec.h"
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <sys/mman.h>
+
+#include <cmath>
+#include <cstdlib>
+
+namespace {
+
+constexpr int64_t kGrainFloats = 1 << 15;  // below this much work a call stays on one thread
+
+inline int64_t grain_rows(int64_t row_floats) { return std::max<int64_t>(1, kGrainFloats / row_floats); }
+
+inline float sum_of_squares(const float* x, int64_t d) {
+  Vec s(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= d; i += Vec::size()) {
+    const Vec v = Vec::loadu(x + i);
+    s = at::vec::fmadd(v, v, s);
+  }
+  if (i < d) {
+    const Vec v = Vec::loadu(x + i, d - i);  // lanes past d load as zero
+    s = at::vec::fmadd(v, v, s);
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s);
+}
+
+// out = x / sqrt(mean(x^2) + eps) * (offset + w); out may be x
+inline void norm_row(const float* x, float* out, const float* w, int64_t d, float eps, float offset) {
+  const Vec inv(1.f / std::sqrt(sum_of_squares(x, d) / static_cast<float>(d) + eps));
+  const Vec off(offset);
+  int64_t i = 0;
+  for (; i + Vec::size() <= d; i += Vec::size()) (Vec::loadu(x + i) * inv * (Vec::loadu(w + i) + off)).store(out + i);
+  if (i < d) (Vec::loadu(x + i, d - i) * inv * (Vec::loadu(w + i, d - i) + off)).store(out + i, d - i);
+}
+
+inline void add_row(float* r, const float* x, int64_t d) {
+  int64_t i = 0;
+  for (; i + Vec::size() <= d; i += Vec::size()) (Vec::loadu(r + i) + Vec::loadu(x + i)).store(r + i);
+  if (i < d) (Vec::loadu(r + i, d - i) + Vec::loadu(x + i, d - i)).store(r + i, d - i);
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1, name, " must be [rows, dim] float32");
+}
+
+}  // namespace
+
+// rms_norm(x) * (offset + weight) for x [rows, dim]; with a residual [rows, dim], first
+// residual += x (in place) and normalize the sum, the pre-norm residual stream in one pass.
+torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual, const torch::Tensor& weight,
+                       double eps, double offset) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), d = x.size(1);
+  TORCH_CHECK(weight.numel() == d && weight.is_contiguous() && weight.scalar_type() == at::kFloat, "bad weight");
+  float* r = nullptr;
+  int64_t r_stride = 0;
+  if (residual.has_value() && residual->defined()) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->size(0) == rows && residual->size(1) == d, "residual does not match x");
+    r = residual->data_ptr<float>();
+    r_stride = residual->stride(0);
+  }
+  auto out = torch::empty({rows, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t x_stride = x.stride(0);
+  at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* src = xp + t * x_stride;
+      if (r != nullptr) {
+        add_row(r + t * r_stride, src, d);
+        src = r + t * r_stride;
+      }
+      norm_row(src, op + t * d, w, d, static_cast<float>(eps), static_cast<float>(offset));
+    }
+  });
+  return out;
+}
+
+// In place over x [tokens, heads, dim] (any strides but the last): every head normalized alone,
+// as q/k norms do.
+void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& weight, double eps, double offset) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be [tokens, heads, dim] float32");
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
+  TORCH_CHECK(weight.numel() == d && weight.is_contiguous() && weight.scalar_type() == at::kFloat, "bad weight");
+  float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  at::parallel_for(0, tokens * heads, grain_rows(d), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = xp + (i / heads) * s0 + (i % heads) * s1;
+      norm_row(row, row, w, d, static_cast<float>(eps), static_cast<float>(offset));
+    }
+  });
+}
+
+// In place over x [tokens, heads, dim]: x * cos + rotate_half(x) * sin, where `sin` is
+// [tokens, dim] with rotate_half's sign folded into its first half and `cos` is [tokens, dim].
+void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be [tokens, heads, dim] float32");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(d % 2 == 0 && cos.size(0) == tokens && cos.size(1) == d && sin.size(0) == tokens && sin.size(1) == d,
+              "cos/sin do not match x");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), c_stride = cos.stride(0), s_stride = sin.stride(0);
+  at::parallel_for(0, tokens * heads, grain_rows(d), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / heads;
+      float* a = xp + t * s0 + (i % heads) * s1;  // first half
+      float* b = a + half;                        // second half
+      const float* c = cp + t * c_stride;
+      const float* s = sp + t * s_stride;
+      int64_t j = 0;
+      for (; j < half; j += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), half - j);
+        const Vec va = Vec::loadu(a + j, n), vb = Vec::loadu(b + j, n);
+        (va * Vec::loadu(c + j, n) + vb * Vec::loadu(s + j, n)).store(a + j, n);
+        (vb * Vec::loadu(c + half + j, n) + va * Vec::loadu(s + half + j, n)).store(b + j, n);
+      }
+    }
+  });
+}
+
+// x [rows, 2 * inner] = [gate | up] -> act(gate) * up, act silu or gelu (tanh approximation)
+torch::Tensor gated_act(const torch::Tensor& x, bool gelu_tanh) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x must hold gate and up halves");
+  const int64_t rows = x.size(0), inner = x.size(1) / 2;
+  auto out = torch::empty({rows, inner}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t x_stride = x.stride(0);
+  const Vec one(1.f), half(0.5f), k0(0.7978845608028654f), k1(0.044715f);
+  at::parallel_for(0, rows, grain_rows(inner), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = xp + r * x_stride;
+      const float* u = g + inner;
+      float* o = op + r * inner;
+      for (int64_t j = 0; j < inner; j += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), inner - j);
+        const Vec vg = Vec::loadu(g + j, n);
+        Vec act;
+        if (gelu_tanh)
+          act = half * vg * (one + (k0 * (vg + k1 * vg * vg * vg)).tanh());
+        else
+          act = vg / (one + vg.neg().exp());
+        (act * Vec::loadu(u + j, n)).store(o + j, n);
+      }
+    }
+  });
+  return out;
+}
+
+// `nbytes` uninitialized bytes on transparent huge pages where the kernel grants them (its
+// madvise mode): weights and KV read every step then need 512x fewer TLB entries.
+torch::Tensor empty_huge_pages(int64_t nbytes) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t bytes = (static_cast<size_t>(nbytes) + kHuge - 1) / kHuge * kHuge;
+  void* p = std::aligned_alloc(kHuge, bytes);
+  TORCH_CHECK(p != nullptr, "out of memory allocating ", bytes, " bytes");
+  madvise(p, bytes, MADV_HUGEPAGE);  // advice only: without THP the memory is ordinary pages
+  return torch::from_blob(p, {nbytes}, [](void* q) { std::free(q); }, torch::TensorOptions().dtype(at::kByte));
+}
