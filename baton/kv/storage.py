@@ -51,6 +51,7 @@ class KVStorage:
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
     """The pool on transparent huge pages on the CPU: decode reads blocks scattered over it."""
-    if device != "cpu" or math.prod(shape) == 0:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return empty_huge_pages(math.prod(shape) * dtype.itemsize).view(dtype).view(shape).zero_()
+    return empty_huge_pages(nbytes).view(dtype).view(shape).zero_()

@@ -11,11 +11,11 @@ from torch import nn
 
 from baton.models.model_config import RopeConfig
 from baton.ops import (
-    PANEL,
     empty_huge_pages,
     gated_act,
     pack_weight_panels,
     paged_decode_attention,
+    panel_lanes,
     panel_linear,
     rms_norm,
     rms_norm_heads_,
@@ -52,7 +52,8 @@ def pack_linears(model: nn.Module) -> None:
     and with 4 KiB pages that is a TLB miss every 4 KiB (1 row: 3%, 8 rows: 9% faster, A/B)."""
     linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
     linears = [(parent, name, child) for parent, name, child in linears if isinstance(child, nn.Linear)]
-    sizes = [-(-child.out_features // PANEL) * PANEL * child.in_features for _, _, child in linears]
+    lanes = panel_lanes()
+    sizes = [-(-child.out_features // lanes) * lanes * child.in_features for _, _, child in linears]
     arena = empty_huge_pages(4 * sum(sizes)).view(torch.float32)
     offset = 0
     for (parent, name, child), size in zip(linears, sizes):
@@ -117,23 +118,23 @@ class Rotary(nn.Module):
         self.inv_freq = rope_inv_freq(rope, head_dim)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and a signed sin, [tokens, 1, head_dim]: the sign of rotate_half is folded into sin."""
+        """cos and a signed sin, [tokens, head_dim]: the sign of rotate_half is folded into sin."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         sin = emb.sin()
         half = sin.shape[-1] // 2
         sin[:, :half].neg_()
-        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+        return emb.cos().to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = cat(x2, x1) * cat(-sin1, sin2);
-    in place on x [T, heads, D] where it is float32."""
+    """x [T, heads, D] * cos + rotate_half(x) * sin, cos and sin [T, D], with rotate_half(x) * sin =
+    cat(x2, x1) * cat(-sin1, sin2); in place where x is float32."""
     if x.dtype == torch.float32:
-        rotary_(x, cos[:, 0], signed_sin[:, 0])
+        rotary_(x, cos, signed_sin)
         return x
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+    return x * cos[:, None] + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin[:, None]
 
 
 def gated_activation(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:

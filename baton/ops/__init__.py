@@ -18,9 +18,6 @@ SOURCES = [Path(__file__).with_name(f) for f in ("bindings.cpp", "paged_attentio
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
 
 
-PANEL = 16  # output features per panel of a packed weight (kLanes in linear.cpp)
-
-
 class OpsBuildError(RuntimeError):
     pass
 
@@ -65,6 +62,11 @@ def paged_decode_attention(
     """[seqs, heads, dim] attention of one query token per sequence over positions
     [kv_offset, kv_offset + kv_len) of the blocks its block_table row lists, read in place."""
     return ops().paged_decode_attention(q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale)
+
+
+def panel_lanes() -> int:
+    """Output features per panel of a packed weight."""
+    return ops().PANEL_LANES
 
 
 def pack_weight_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,8 @@ void rows_kernel(int64_t rows, const float* x, int64_t x_stride, const float* w,
 
 }  // namespace
 
+int64_t panel_lanes() { return kLanes; }
+
 // [N, K] -> [ceil(N / 16), K, 16], zero-padded past N
 torch::Tensor pack_weight_panels(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight must be 2-D float32");

@@ -14,14 +14,6 @@
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  Vec s(0.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= d; i += Vec::size()) s = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), s);
-  if (i < d) s = at::vec::fmadd(Vec::loadu(a + i, d - i), Vec::loadu(b + i, d - i), s);
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s);
-}
-
 // acc = acc * scale + w * v
 inline void scale_axpy(float* acc, float scale, float w, const float* v, int64_t d) {
   const Vec vs(scale), vw(w);

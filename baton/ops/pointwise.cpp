@@ -19,23 +19,9 @@ constexpr int64_t kGrainFloats = 1 << 15;  // below this much work a call stays 
 
 inline int64_t grain_rows(int64_t row_floats) { return std::max<int64_t>(1, kGrainFloats / row_floats); }
 
-inline float sum_of_squares(const float* x, int64_t d) {
-  Vec s(0.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= d; i += Vec::size()) {
-    const Vec v = Vec::loadu(x + i);
-    s = at::vec::fmadd(v, v, s);
-  }
-  if (i < d) {
-    const Vec v = Vec::loadu(x + i, d - i);  // lanes past d load as zero
-    s = at::vec::fmadd(v, v, s);
-  }
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s);
-}
-
 // out = x / sqrt(mean(x^2) + eps) * (offset + w); out may be x
 inline void norm_row(const float* x, float* out, const float* w, int64_t d, float eps, float offset) {
-  const Vec inv(1.f / std::sqrt(sum_of_squares(x, d) / static_cast<float>(d) + eps));
+  const Vec inv(1.f / std::sqrt(dot(x, x, d) / static_cast<float>(d) + eps));
   const Vec off(offset);
   int64_t i = 0;
   for (; i + Vec::size() <= d; i += Vec::size()) (Vec::loadu(x + i) * inv * (Vec::loadu(w + i) + off)).store(out + i);
