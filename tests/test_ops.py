@@ -60,6 +60,7 @@ def random_case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_len
     "num_seqs,num_heads,num_kv_heads,head_dim,block_size,max_len,dtype,layout",
     [
         (1, 9, 3, 64, 16, 300, torch.float32, "NHD"),  # SmolLM2's heads, one sequence: heads split over threads
+        (1, 4, 1, 256, 16, 2000, torch.float32, "NHD"),  # a long context cut into partitions, merged
         (8, 9, 3, 64, 16, 300, torch.float32, "NHD"),
         (5, 4, 1, 256, 16, 600, torch.float32, "NHD"),  # Gemma3-270M's heads
         (3, 4, 4, 40, 7, 50, torch.float32, "HND"),  # head_dim not a multiple of the vector width
@@ -79,7 +80,8 @@ def test_decode_attention_matches_a_hand_written_softmax(
 
 
 def test_decode_attention_of_a_sequence_does_not_depend_on_its_batch():
-    q, k_cache, v_cache, table, offsets, lens = random_case(8, 9, 3, 64, 16, 300, torch.float32, "NHD", seed=1)
+    q, k_cache, v_cache, table, offsets, lens = random_case(8, 9, 3, 64, 16, 700, torch.float32, "NHD", seed=1)
+    assert lens.max() > 512  # some sequences span several partitions
     together = paged_decode_attention(q, k_cache, v_cache, table, offsets, lens, 16, 0.125)
     for s in range(8):
         alone = paged_decode_attention(

@@ -40,6 +40,8 @@ inline float exp_sub_sum(float* x, float m, int64_t n) {
 
 // Ask for a block's K and V rows of one head ahead of use: walking block tables is a chain of
 // short strided reads the hardware prefetcher does not run ahead of (a cold cache read at ~7 GB/s).
+// Into L2 (prefetcht1), not L1: a block is 24 KiB of K and V at SmolLM2's heads, more misses than
+// L1 tracks at once (30 layers of cold KV, 8 sequences: 9-10 GB/s into L1, 12-13 into L2).
 template <typename cache_t>
 inline void prefetch_rows(const cache_t* k, const cache_t* v, int64_t k_stride, int64_t v_stride, int64_t rows,
                           int64_t d) {
@@ -48,8 +50,8 @@ inline void prefetch_rows(const cache_t* k, const cache_t* v, int64_t k_stride, 
     const char* kr = reinterpret_cast<const char*>(k + r * k_stride);
     const char* vr = reinterpret_cast<const char*>(v + r * v_stride);
     for (int64_t off = 0; off < bytes; off += 64) {
-      __builtin_prefetch(kr + off);
-      __builtin_prefetch(vr + off);
+      __builtin_prefetch(kr + off, 0, 2);
+      __builtin_prefetch(vr + off, 0, 2);
     }
   }
 }
@@ -65,7 +67,56 @@ inline const float* as_float(const cache_t* row, float* buf, int64_t d) {
   }
 }
 
-template <typename scalar_t, typename cache_t>
+// scores[j * stride + p] = q_j . k[p] for a kv head's query heads j < g (q: g rows of d floats)
+// and its rows p < n of one block. NV: d in vectors, so the dot products run from registers; 0:
+// any d (a masked tail).
+template <int64_t NV>
+inline void block_scores(const float* q, int64_t g, const float* const* k, int64_t n, float* scores, int64_t stride,
+                         int64_t d) {
+  for (int64_t p = 0; p < n; ++p) {
+    if constexpr (NV == 0) {
+      for (int64_t j = 0; j < g; ++j) scores[j * stride + p] = dot(q + j * d, k[p], d);
+    } else {
+      Vec kv[NV];
+      for (int64_t i = 0; i < NV; ++i) kv[i] = Vec::loadu(k[p] + i * Vec::size());
+      for (int64_t j = 0; j < g; ++j) {
+        Vec s(0.f);
+        for (int64_t i = 0; i < NV; ++i) s = at::vec::fmadd(Vec::loadu(q + j * d + i * Vec::size()), kv[i], s);
+        scores[j * stride + p] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s);
+      }
+    }
+  }
+}
+
+// acc_j = acc_j * correction[j] + sum over p < n of w[j * stride + p] * v[p], for j < g; with NV
+// (d in vectors) an accumulator stays in registers for the whole block.
+template <int64_t NV>
+inline void block_values(float* acc, const float* correction, int64_t g, const float* w, int64_t stride,
+                         const float* const* v, int64_t n, int64_t d) {
+  for (int64_t j = 0; j < g; ++j) {
+    float* a = acc + j * d;
+    if constexpr (NV == 0) {
+      for (int64_t p = 0; p < n; ++p) scale_axpy(a, p == 0 ? correction[j] : 1.f, w[j * stride + p], v[p], d);
+    } else {
+      Vec r[NV];
+      const Vec c(correction[j]);
+      for (int64_t i = 0; i < NV; ++i) r[i] = Vec::loadu(a + i * Vec::size()) * c;
+      for (int64_t p = 0; p < n; ++p) {
+        const Vec wp(w[j * stride + p]);
+        for (int64_t i = 0; i < NV; ++i) r[i] = at::vec::fmadd(wp, Vec::loadu(v[p] + i * Vec::size()), r[i]);
+      }
+      for (int64_t i = 0; i < NV; ++i) r[i].store(a + i * Vec::size());
+    }
+  }
+}
+
+// Positions of one work item: a sequence's context is cut into partitions of this many positions,
+// counted from its first position, so a long context is spread over the threads even at one
+// sequence. The cut depends on the sequence alone, never on its batch: its bits do not either.
+constexpr int64_t kPartition = 256;
+constexpr int64_t kPrefetchBlocks = 2;  // how many blocks ahead of the one being read
+
+template <typename scalar_t, typename cache_t, int64_t NV>
 void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, const torch::Tensor& block_table,
                            const torch::Tensor& kv_offset, const torch::Tensor& kv_len, int64_t block_size,
@@ -86,39 +137,67 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const float fscale = static_cast<float>(scale);
 
-  // A work item is a sequence with all its kv heads (whole cache rows, read front to back) when
-  // there are sequences enough for every thread; otherwise one kv head of a sequence.
+  // A work item is a partition of a sequence's context with all its kv heads (whole cache rows,
+  // read front to back) when there are sequences enough for every thread; otherwise with one kv head.
   const int64_t spans = num_seqs >= at::get_num_threads() ? 1 : num_kv_heads;
   const int64_t span_heads = num_kv_heads / spans, nq = span_heads * group;
-  at::parallel_for(0, num_seqs * spans, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(nq * head_dim), acc(nq * head_dim), scores(nq * block_size), row(head_dim);
-    std::vector<float> row_max(nq), row_sum(nq), correction(nq);
+  // out[seq, h + j] = acc[j] / sum[j] for j < n
+  auto write_out = [&](int64_t seq, int64_t h, int64_t n, const float* acc, const float* sum) {
+    for (int64_t j = 0; j < n; ++j) {
+      scalar_t* dst = out_ptr + seq * os0 + (h + j) * os1;
+      const float inv = 1.f / sum[j];
+      for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<scalar_t>(acc[j * head_dim + i] * inv);
+    }
+  };
+  std::vector<int64_t> first_part(num_seqs + 1, 0);  // sequence s owns partitions [first_part[s], first_part[s + 1])
+  for (int64_t s = 0; s < num_seqs; ++s)
+    first_part[s + 1] = first_part[s] + std::max<int64_t>(1, (lens[s] + kPartition - 1) / kPartition);
+  const int64_t num_parts = first_part[num_seqs];
+  // per partition and query head: the unnormalized output, the running max and the sum of exp
+  const bool any_split = num_parts > num_seqs;
+  std::vector<float> part_acc(any_split ? num_parts * num_heads * head_dim : 0),
+      part_max(any_split ? num_parts * num_heads : 0), part_sum(any_split ? num_parts * num_heads : 0);
+  at::parallel_for(0, num_parts * spans, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(nq * head_dim), scores(nq * block_size), correction(nq);
+    std::vector<float> rows_buf(block_size * head_dim);  // a block's rows of one head as float (non-float caches)
+    std::vector<const float*> rows(block_size);
+    std::vector<float> acc_own(nq * head_dim), max_own(nq), sum_own(nq);
+    int64_t seq = 0;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / spans, h0 = item % spans * span_heads;  // kv heads [h0, h0 + span_heads)
+      const int64_t part = item / spans, h0 = item % spans * span_heads;  // kv heads [h0, h0 + span_heads)
+      while (first_part[seq + 1] <= part) ++seq;
+      // a sequence of one partition is normalized straight into out; partitions go through the merge
+      const bool alone = first_part[seq + 1] - first_part[seq] == 1;
+      float* acc = alone ? acc_own.data() : &part_acc[(part * num_heads + h0 * group) * head_dim];
+      float* row_max = alone ? max_own.data() : &part_max[part * num_heads + h0 * group];
+      float* row_sum = alone ? sum_own.data() : &part_sum[part * num_heads + h0 * group];
       for (int64_t j = 0; j < nq; ++j) {  // query head h0 * group + j
         const scalar_t* src = q_ptr + seq * qs0 + (h0 * group + j) * qs1;
         for (int64_t i = 0; i < head_dim; ++i) qf[j * head_dim + i] = static_cast<float>(src[i]) * fscale;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      std::fill(acc, acc + nq * head_dim, 0.f);
+      std::fill(row_max, row_max + nq, -std::numeric_limits<float>::infinity());
+      std::fill(row_sum, row_sum + nq, 0.f);
       // positions [first, last) of the sequence's blocks, counted from its first block's start
-      const int64_t first = offsets[seq], last = first + lens[seq];
+      const int64_t seq_first = offsets[seq], seq_last = seq_first + lens[seq];
+      const int64_t first = seq_first + (part - first_part[seq]) * kPartition;
+      const int64_t last = std::min(first + kPartition, seq_last);
       for (int64_t b = first / block_size; b * block_size < last; ++b) {
         const int64_t base = table[seq * max_blocks + b] * block_size;
         const int64_t lo = std::max(first - b * block_size, int64_t(0));
         const int64_t hi = std::min(last - b * block_size, block_size);
-        if ((b + 1) * block_size < last) {
-          const int64_t next = table[seq * max_blocks + b + 1] * block_size;
+        // the blocks kPrefetchBlocks ahead (at the first block, every one up to there)
+        for (int64_t a = b == first / block_size ? 1 : kPrefetchBlocks; a <= kPrefetchBlocks; ++a) {
+          if ((b + a) * block_size >= last) break;
+          const int64_t next = table[seq * max_blocks + b + a] * block_size;
           for (int64_t h = h0; h < h0 + span_heads; ++h)
             prefetch_rows(k_ptr + next * ks0 + h * ks1, v_ptr + next * vs0 + h * vs1, ks0, vs0, block_size, head_dim);
         }
-        for (int64_t p = lo; p < hi; ++p) {
-          for (int64_t h = 0; h < span_heads; ++h) {
-            const float* k = as_float(k_ptr + (base + p) * ks0 + (h0 + h) * ks1, row.data(), head_dim);
-            for (int64_t j = h * group; j < (h + 1) * group; ++j)
-              scores[j * block_size + p] = dot(&qf[j * head_dim], k, head_dim);
-          }
+        for (int64_t h = 0; h < span_heads; ++h) {
+          for (int64_t p = lo; p < hi; ++p)
+            rows[p - lo] = as_float(k_ptr + (base + p) * ks0 + (h0 + h) * ks1, &rows_buf[(p - lo) * head_dim], head_dim);
+          block_scores<NV>(&qf[h * group * head_dim], group, rows.data(), hi - lo, &scores[h * group * block_size + lo],
+                           block_size, head_dim);
         }
         // online softmax: rescale what was accumulated when a block raises the running max
         for (int64_t j = 0; j < nq; ++j) {
@@ -128,21 +207,52 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
           row_max[j] = m;
           row_sum[j] = row_sum[j] * correction[j] + exp_sub_sum(sc + lo, m, hi - lo);
         }
-        for (int64_t p = lo; p < hi; ++p) {
-          for (int64_t h = 0; h < span_heads; ++h) {
-            const float* v = as_float(v_ptr + (base + p) * vs0 + (h0 + h) * vs1, row.data(), head_dim);
-            for (int64_t j = h * group; j < (h + 1) * group; ++j)
-              scale_axpy(&acc[j * head_dim], p == lo ? correction[j] : 1.f, scores[j * block_size + p], v, head_dim);
-          }
+        for (int64_t h = 0; h < span_heads; ++h) {
+          for (int64_t p = lo; p < hi; ++p)
+            rows[p - lo] = as_float(v_ptr + (base + p) * vs0 + (h0 + h) * vs1, &rows_buf[(p - lo) * head_dim], head_dim);
+          block_values<NV>(&acc[h * group * head_dim], &correction[h * group], group,
+                           &scores[h * group * block_size + lo], block_size, rows.data(), hi - lo, head_dim);
         }
       }
-      for (int64_t j = 0; j < nq; ++j) {
-        scalar_t* dst = out_ptr + seq * os0 + (h0 * group + j) * os1;
-        const float inv = 1.f / row_sum[j];
-        for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<scalar_t>(acc[j * head_dim + i] * inv);
-      }
+      if (alone) write_out(seq, h0 * group, nq, acc, row_sum);
     }
   });
+  // out = sum_i acc_i * exp(max_i - max) / sum_i sum_i * exp(max_i - max) over a sequence's partitions, in order
+  std::vector<float> merged(head_dim);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (first_part[s + 1] - first_part[s] == 1) continue;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t part = first_part[s]; part < first_part[s + 1]; ++part) m = std::max(m, part_max[part * num_heads + h]);
+      std::fill(merged.begin(), merged.end(), 0.f);
+      float total = 0.f;
+      for (int64_t part = first_part[s]; part < first_part[s + 1]; ++part) {
+        const float w = std::exp(part_max[part * num_heads + h] - m);
+        total += w * part_sum[part * num_heads + h];
+        scale_axpy(merged.data(), 1.f, w, &part_acc[(part * num_heads + h) * head_dim], head_dim);
+      }
+      write_out(s, h, 1, merged.data(), &total);
+    }
+  }
+}
+
+// the kernel for q's head_dim: in registers where it is a whole number of vectors (2 to 16)
+template <typename scalar_t, typename cache_t>
+void decode_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                      const torch::Tensor& v_cache, const torch::Tensor& block_table, const torch::Tensor& kv_offset,
+                      const torch::Tensor& kv_len, int64_t block_size, double scale) {
+  const int64_t d = q.size(2), vectors = d % Vec::size() == 0 ? d / Vec::size() : 0;
+  switch (vectors) {
+#define BATON_HEAD_DIM(NV)                                                                                      \
+  case NV:                                                                                                      \
+    return decode_attention_impl<scalar_t, cache_t, NV>(out, q, k_cache, v_cache, block_table, kv_offset, kv_len, \
+                                                        block_size, scale);
+    BATON_HEAD_DIM(2) BATON_HEAD_DIM(4) BATON_HEAD_DIM(8) BATON_HEAD_DIM(16)
+#undef BATON_HEAD_DIM
+    default:
+      return decode_attention_impl<scalar_t, cache_t, 0>(out, q, k_cache, v_cache, block_table, kv_offset, kv_len,
+                                                         block_size, scale);
+  }
 }
 
 }  // namespace
@@ -169,8 +279,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_q", [&] {
     using q_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode_attention_kv", [&] {
-      decode_attention_impl<q_t, scalar_t>(out, q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size,
-                                           scale);
+      decode_attention<q_t, scalar_t>(out, q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale);
     });
   });
   return out;
