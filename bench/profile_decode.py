@@ -1,14 +1,16 @@
 """Where the milliseconds of one decode step go, offline, at a given concurrency.
 
-    python bench/profile_decode.py [--model smollm2-135m] [--concurrency 8] [--steps 40]
+    python bench/profile_decode.py [--model smollm2-135m] [--concurrency 8] [--steps 40] [--modules]
 
 `concurrency` requests with random 128-token prompts are prefilled, then `--steps` decode
 steps are timed. Each part of `LLMEngine.step` is wrapped with a timer: scheduling, building
-the batch tensors (positions, slot mappings, KV read indices), the model split into attention
-(paged_attention: cache write, the decode kernel over KV blocks) and the rest (linears, norms, rotary),
-the lm_head, sampling, and the output bookkeeping (detokenizing, stop checks, RequestOutput).
-The HTTP share is the server's median TPOT at the same concurrency (`baton bench serve`)
-minus the step time printed here.
+the batch tensors (positions, slot mappings, KV read indices), the model, the lm_head, sampling,
+and the output bookkeeping (detokenizing, stop checks, RequestOutput). A decode-only step runs
+the model as one C++ call (baton/models/fused_decode.py), which times its own parts: attention
+(KV write and the paged kernel), the linears, and norms / rotary / activation. `--modules`
+profiles the module-by-module path instead (the one steps with a prefill take), where the
+attention calls are timed from Python. The HTTP share is the server's median TPOT at the same
+concurrency (`baton bench serve`) minus the step time printed here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 import baton.engine.engine as engine_mod
 import baton.models.llama as llama_mod
 from baton import LLM, SamplingParams
+from baton.models.fused_decode import FusedDecoder
 
 timers: dict[str, float] = defaultdict(float)
 
@@ -46,7 +49,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--modules", action="store_true", help="profile the module-by-module path")
     args = ap.parse_args()
+    if args.modules:
+        FusedDecoder.supports = staticmethod(lambda model, storage: False)
     llm = LLM(args.model, progress=False)
     engine = llm.engine
     runner, model = engine.runner, engine.model
@@ -69,6 +75,9 @@ def main() -> None:
         engine.step()
     for _ in range(3):  # warm up the decode path
         engine.step()
+    fused = model.fused_decoder
+    if fused is not None:
+        fused.set_profiling(True)
     timers.clear()
     step_times = []
     for _ in range(args.steps):
@@ -78,9 +87,16 @@ def main() -> None:
     ms = {k: v / args.steps * 1e3 for k, v in timers.items()}
     step = statistics.median(step_times) * 1e3
     mean = sum(step_times) / len(step_times) * 1e3
+    if fused is not None:
+        inside = {k: v / args.steps * 1e3 for k, v in fused.profile().items()}
+        model_parts = {**inside, "model glue (embedding, rope, the call)": ms["model"] - sum(inside.values())}
+    else:
+        model_parts = {
+            "attention (KV write, kernel)": ms["attention"],
+            "linears, norms, rotary": ms["model"] - ms["attention"],
+        }
     parts = {
-        "attention (KV write, kernel)": ms["attention"],
-        "linears, norms, rotary": ms["model"] - ms["attention"],
+        **model_parts,
         "lm_head": ms["lm_head"],
         "sampling": ms["sampling"],
         "scheduling": ms["scheduling"],
@@ -88,7 +104,8 @@ def main() -> None:
         "outputs (detokenize, stops)": ms["outputs"],
     }
     parts["other (step glue)"] = mean - sum(parts.values())
-    print(f"{args.model}, {args.concurrency} sequences decoding, context ~{args.input_len}, {args.steps} steps")
+    path = "fused C++ decode step" if fused is not None else "module by module"
+    print(f"{args.model}, {args.concurrency} sequences decoding, context ~{args.input_len}, {args.steps} steps, {path}")
     print(f"step: median {step:.2f} ms, mean {mean:.2f} ms ({args.concurrency / mean * 1e3:.1f} tok/s)")
     for name, value in parts.items():
         print(f"  {name:<34}{value:8.2f} ms {100 * value / mean:6.1f}%")

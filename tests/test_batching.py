@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from baton import LLM, SamplingParams
+from baton.models.fused_decode import FusedDecoder
 from tests.conftest import PROMPTS
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -26,6 +27,28 @@ def test_batch_invariance(model, request):
     chunked = LLM(name, progress=False, max_num_batched_tokens=64, enable_prefix_caching=False)
     assert _tokens(chunked, prompts) == one_at_a_time  # together, cold, prefill in chunks of <= 64
     assert chunked.engine.kv.all_free()
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_fused_decode_step_gives_the_module_path_bits(model, request, monkeypatch):
+    """Decode-only steps run as one C++ call (baton/models/fused_decode.py); steps with a prefill
+    run module by module. A decode row must come out the same either way."""
+    llm: LLM = request.getfixturevalue(model)
+    prompts = [{"prompt_token_ids": llm.get_tokenizer().encode(p)} for p in PROMPTS[:3]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+    llm.generate(prompts, params)  # both runs below then find the same prompt blocks cached
+    calls = []
+    fused_call = FusedDecoder.__call__
+    monkeypatch.setattr(FusedDecoder, "__call__", lambda self, *a: calls.append(1) or fused_call(self, *a))
+    fused = llm.generate(prompts, params)
+    assert len(calls) >= 11  # every step after the prefills
+    monkeypatch.setattr(FusedDecoder, "supports", staticmethod(lambda model, storage: False))
+    modules = llm.generate(prompts, params)
+    for a, b in zip(fused, modules):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
+    assert len(calls) >= 11 and llm.engine.kv.all_free()
 
 
 def test_warm_prefix_cache_gives_same_tokens(smollm2):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
+from baton.models.fused_decode import FusedDecoder
 
 SMALL = dict(
     vocab_size=256,
@@ -50,7 +51,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_random_model_logits(tmp_path, case):
+def test_random_model_logits(tmp_path, case, monkeypatch):
     arch, overrides = CASES[case]
     ref, path = make_model(tmp_path, arch, **overrides)
     llm = LLM(str(path), progress=False, block_size=4, max_num_batched_tokens=7)
@@ -69,6 +70,14 @@ def test_random_model_logits(tmp_path, case):
     for i, (tok, entry) in enumerate(zip(new, completion.logprobs)):
         assert abs(entry[tok].logprob - ref_lp[len(ids) - 1 + i, tok].item()) < 1e-4
         assert tok == ref_lp[len(ids) - 1 + i].argmax().item()
+    assert llm.engine.model.fused_decoder is not None  # the decode steps ran as one C++ call
+    # ... with the bits of the module-by-module path
+    monkeypatch.setattr(FusedDecoder, "supports", staticmethod(lambda model, storage: False))
+    unfused = llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0]
+    assert unfused.token_ids == new
+    assert [e[t].logprob for t, e in zip(new, unfused.logprobs)] == [
+        e[t].logprob for t, e in zip(new, completion.logprobs)
+    ]
     assert llm.engine.kv.all_free()
 
 

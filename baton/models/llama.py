@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.storage import KVStorage
+from baton.models.fused_decode import FusedDecoder
 from baton.models.layers import (
     GroupAttnMetadata,
     RMSNorm,
@@ -29,6 +30,10 @@ class ForwardContext:
     def for_layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, GroupAttnMetadata]:
         k_cache, v_cache = self.storage.layer(layer_id)
         return k_cache, v_cache, self.groups[self.storage.spec.layer_to_group[layer_id][0]]
+
+    @property
+    def decode_only(self) -> bool:
+        return all(not g.prefills for g in self.groups)
 
 
 class Attention(nn.Module):
@@ -110,6 +115,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = nn.ModuleDict({kind: Rotary(rope, cfg.head_dim) for kind, rope in cfg.rope.items()})
+        self.layer_kinds = list(dict.fromkeys(layer.self_attn.kind for layer in self.layers))
+        self.fused_decoder: FusedDecoder | None = None
         self.requires_grad_(False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -117,8 +124,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed(input_ids)
-        kinds = {layer.self_attn.kind for layer in self.layers}
-        rope = {kind: self.rotary[kind](positions, x.dtype) for kind in kinds}
+        rope = {kind: self.rotary[kind](positions, x.dtype) for kind in self.layer_kinds}
+        if ctx.decode_only and FusedDecoder.supports(self, ctx.storage):
+            if self.fused_decoder is None or self.fused_decoder.storage is not ctx.storage:
+                self.fused_decoder = FusedDecoder(self, ctx.storage)
+            return self.fused_decoder(x, rope, ctx.groups)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, ctx)

@@ -13,7 +13,10 @@ from types import ModuleType
 
 import torch
 
-SOURCES = [Path(__file__).with_name(f) for f in ("bindings.cpp", "paged_attention.cpp", "linear.cpp", "pointwise.cpp")]
+SOURCES = [
+    Path(__file__).with_name(f)
+    for f in ("bindings.cpp", "paged_attention.cpp", "linear.cpp", "pointwise.cpp", "decode.cpp")
+]
 # -march=native: the library is built on the machine that runs it (AVX-512 where the CPU has it)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
 

@@ -1,0 +1,84 @@
+"""A packed float32 Llama-family model's decode-only steps as one C++ call per step
+(baton/ops/decode.cpp), bound to the KV storage it writes."""
+
+from __future__ import annotations
+
+import torch
+
+from baton.kv.storage import KVStorage
+from baton.models.layers import GroupAttnMetadata, PackedLinear
+from baton.ops import ops
+
+
+class FusedDecoder:
+    def __init__(self, model: torch.nn.Module, storage: KVStorage) -> None:
+        cfg = model.cfg
+        self.storage = storage
+        self.kinds = model.layer_kinds  # rope kind -> its index in forward's cos/sin lists
+        norm = model.norm
+        self._decoder = ops().FusedDecoder(
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            hidden=cfg.hidden_size,
+            intermediate=cfg.intermediate_size,
+            eps=norm.eps,
+            norm_offset=norm.offset,
+            scale=cfg.attn_scale,
+            gelu_tanh=cfg.hidden_act == "gelu_pytorch_tanh",
+            final_norm=norm.weight,
+        )
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            k_cache, v_cache = storage.layer(i)
+            self._decoder.add_layer(
+                input_norm=layer.input_layernorm.weight,
+                post_attn_norm=layer.post_attention_layernorm.weight,
+                pre_ff_norm=_weight(getattr(layer, "pre_feedforward_layernorm", None)),
+                post_ff_norm=_weight(getattr(layer, "post_feedforward_layernorm", None)),
+                q_norm=_weight(attn.q_norm),
+                k_norm=_weight(attn.k_norm),
+                qkv=attn.qkv_proj.panels,
+                qkv_bias=attn.qkv_proj.bias,
+                o=attn.o_proj.panels,
+                o_bias=attn.o_proj.bias,
+                gate_up=mlp.gate_up_proj.panels,
+                down=mlp.down_proj.panels,
+                k_cache=k_cache,
+                v_cache=v_cache,
+                rope=self.kinds.index(attn.kind),
+                group=storage.spec.layer_to_group[i][0],
+            )
+
+    @staticmethod
+    def supports(model: torch.nn.Module, storage: KVStorage) -> bool:
+        """Packed float32 linears and a float32 KV cache; otherwise the module path runs."""
+        return storage.dtype == torch.float32 and all(
+            isinstance(layer.self_attn.qkv_proj, PackedLinear) for layer in model.layers
+        )
+
+    def set_profiling(self, on: bool) -> None:
+        """With profiling on, each step adds the wall time of its parts to `profile()`."""
+        self._decoder.set_profiling(on)
+
+    def profile(self) -> dict[str, float]:
+        """Seconds spent in attention (KV write and kernel), linears, and norms / rotary / activation."""
+        return self._decoder.profile()
+
+    def __call__(
+        self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], groups: list[GroupAttnMetadata]
+    ) -> torch.Tensor:
+        return self._decoder.forward(
+            x,
+            [rope[kind][0] for kind in self.kinds],
+            [rope[kind][1] for kind in self.kinds],
+            [g.slot_mapping for g in groups],
+            [g.decode_block_ids for g in groups],
+            [g.decode_kv_offsets for g in groups],
+            [g.decode_kv_lens for g in groups],
+            groups[0].block_size,
+        )
+
+
+def _weight(norm: torch.nn.Module | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight

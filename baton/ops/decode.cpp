@@ -1,0 +1,200 @@
+// A decode step of a Llama-family model (Llama, Mistral, Qwen2/3, Gemma3) in one call: every
+// layer's norms, packed linears, rotary, KV write and paged attention run back to back in C++.
+// Through Python each layer is ~25 module calls, views and torch ops at 2-5 us each, ~5 ms of a
+// 20 ms SmolLM2 step at one sequence; here a layer costs its kernels. The kernels are the ones
+// the Python path calls, in the same order, so a row's bits are the same on either path.
+#include "ops.h"
+
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct DecodeLayer {
+  torch::Tensor input_norm, post_attn_norm;
+  torch::Tensor pre_ff_norm, post_ff_norm;  // Gemma's sandwich norms; undefined for Llama
+  torch::Tensor q_norm, k_norm;             // undefined without q/k norm
+  torch::Tensor qkv, o, gate_up, down;      // packed panels (pack_weight_panels)
+  c10::optional<torch::Tensor> qkv_bias, o_bias;
+  torch::Tensor k_cache, v_cache;  // [slots, kv heads, head dim] views of this layer's KV
+  int64_t rope = 0, group = 0;     // which cos/sin pair and which KV group's metadata it reads
+};
+
+// cache[slots[t], h] = src[t, h] for src [rows, kv heads, dim] (any strides but the last)
+void write_kv(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots) {
+  const int64_t rows = src.size(0), heads = src.size(1), bytes = src.size(2) * sizeof(float);
+  const int64_t num_slots = cache.size(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* s = src.data_ptr<float>();
+  float* c = cache.data_ptr<float>();
+  for (int64_t t = 0; t < rows; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the KV cache");
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(c + slot[t] * cache.stride(0) + h * cache.stride(1), s + t * src.stride(0) + h * src.stride(1), bytes);
+  }
+}
+
+bool defined(const torch::Tensor& t) { return t.defined(); }
+
+// Adds the time from its construction to the next lap() (or its end) to a total, when given one.
+class Stopwatch {
+ public:
+  explicit Stopwatch(bool on) : on_(on), start_(on ? now() : 0.0) {}
+  void lap(double* total) {
+    if (!on_) return;
+    const double t = now();
+    *total += t - start_;
+    start_ = t;
+  }
+
+ private:
+  static double now() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  bool on_;
+  double start_;
+};
+
+}  // namespace
+
+class FusedDecoder {
+ public:
+  FusedDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate,
+               double eps, double norm_offset, double scale, bool gelu_tanh, torch::Tensor final_norm)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), hidden_(hidden),
+        intermediate_(intermediate), eps_(eps), offset_(norm_offset), scale_(scale), gelu_tanh_(gelu_tanh),
+        final_norm_(std::move(final_norm)) {}
+
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_attn_norm, c10::optional<torch::Tensor> pre_ff_norm,
+                 c10::optional<torch::Tensor> post_ff_norm, c10::optional<torch::Tensor> q_norm,
+                 c10::optional<torch::Tensor> k_norm, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
+                 torch::Tensor o, c10::optional<torch::Tensor> o_bias, torch::Tensor gate_up, torch::Tensor down,
+                 torch::Tensor k_cache, torch::Tensor v_cache, int64_t rope, int64_t group) {
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat, "KV cache must be float32");
+    TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == num_kv_heads_ && k_cache.size(2) == head_dim_ &&
+                    k_cache.stride(2) == 1 && k_cache.sizes() == v_cache.sizes(),
+                "KV cache must be [slots, kv heads, head dim]");
+    TORCH_CHECK(pre_ff_norm.has_value() == post_ff_norm.has_value(), "sandwich norms come in pairs");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q/k norms come in pairs");
+    DecodeLayer l;
+    l.input_norm = std::move(input_norm);
+    l.post_attn_norm = std::move(post_attn_norm);
+    l.pre_ff_norm = pre_ff_norm.value_or(torch::Tensor());
+    l.post_ff_norm = post_ff_norm.value_or(torch::Tensor());
+    l.q_norm = q_norm.value_or(torch::Tensor());
+    l.k_norm = k_norm.value_or(torch::Tensor());
+    l.qkv = std::move(qkv);
+    l.qkv_bias = std::move(qkv_bias);
+    l.o = std::move(o);
+    l.o_bias = std::move(o_bias);
+    l.gate_up = std::move(gate_up);
+    l.down = std::move(down);
+    l.k_cache = std::move(k_cache);
+    l.v_cache = std::move(v_cache);
+    l.rope = rope;
+    l.group = group;
+    layers_.push_back(std::move(l));
+  }
+
+  // x: the embedded tokens [rows, hidden], one decode token per row. Per rope kind its cos and
+  // signed sin [rows, head dim]; per KV group the slot each row's K/V goes to and the blocks,
+  // first offset and length each row reads (GroupAttnMetadata). Returns the final-normed hidden.
+  torch::Tensor forward(const torch::Tensor& x_in, const std::vector<torch::Tensor>& cos,
+                        const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& slot_mapping,
+                        const std::vector<torch::Tensor>& block_ids, const std::vector<torch::Tensor>& kv_offsets,
+                        const std::vector<torch::Tensor>& kv_lens, int64_t block_size) {
+    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == hidden_ && x_in.scalar_type() == at::kFloat, "x must be [rows, hidden]");
+    TORCH_CHECK(cos.size() == sin.size(), "one cos per sin");
+    const size_t groups = slot_mapping.size();
+    TORCH_CHECK(block_ids.size() == groups && kv_offsets.size() == groups && kv_lens.size() == groups,
+                "one block table, offset and length per KV group");
+    const int64_t n = x_in.size(0);
+    for (size_t g = 0; g < groups; ++g)
+      TORCH_CHECK(slot_mapping[g].scalar_type() == at::kLong && slot_mapping[g].is_contiguous() &&
+                      slot_mapping[g].numel() == n,
+                  "slot_mapping must be contiguous int64 [rows]");
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    torch::Tensor residual = x_in.contiguous().clone(), x;
+    Stopwatch watch(profiling_);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      DecodeLayer& l = layers_[i];
+      TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()) && l.group < static_cast<int64_t>(groups),
+                  "layer ", i, " reads a rope kind or KV group that was not given");
+      const torch::Tensor h = i == 0 ? rms_norm(residual, c10::nullopt, l.input_norm, eps_, offset_)
+                                     : rms_norm(x, residual, l.input_norm, eps_, offset_);
+      watch.lap(&seconds_["norms, rotary, activation"]);
+      const torch::Tensor qkv = panel_linear(h, l.qkv, l.qkv_bias, q_size + 2 * kv_size);
+      watch.lap(&seconds_["linears"]);
+      torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({n, num_heads_ + num_kv_heads_, head_dim_});
+      torch::Tensor q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
+      const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
+      if (defined(l.q_norm)) {
+        rms_norm_heads_(q, l.q_norm, eps_, offset_);
+        rms_norm_heads_(k, l.k_norm, eps_, offset_);
+      }
+      rotary_(qk, cos[l.rope], sin[l.rope]);
+      watch.lap(&seconds_["norms, rotary, activation"]);
+      write_kv(k, l.k_cache, slot_mapping[l.group]);
+      write_kv(v, l.v_cache, slot_mapping[l.group]);
+      const torch::Tensor attn = paged_decode_attention(q, l.k_cache, l.v_cache, block_ids[l.group],
+                                                        kv_offsets[l.group], kv_lens[l.group], block_size, scale_);
+      watch.lap(&seconds_["attention (KV write, kernel)"]);
+      const torch::Tensor o = panel_linear(attn.view({n, q_size}), l.o, l.o_bias, hidden_);
+      watch.lap(&seconds_["linears"]);
+      const torch::Tensor mlp_in =
+          defined(l.pre_ff_norm)
+              ? rms_norm(rms_norm(o, c10::nullopt, l.post_attn_norm, eps_, offset_), residual, l.pre_ff_norm, eps_,
+                         offset_)
+              : rms_norm(o, residual, l.post_attn_norm, eps_, offset_);
+      watch.lap(&seconds_["norms, rotary, activation"]);
+      const torch::Tensor gate_up = panel_linear(mlp_in, l.gate_up, c10::nullopt, 2 * intermediate_);
+      watch.lap(&seconds_["linears"]);
+      const torch::Tensor act = gated_act(gate_up, gelu_tanh_);
+      watch.lap(&seconds_["norms, rotary, activation"]);
+      x = panel_linear(act, l.down, c10::nullopt, hidden_);
+      watch.lap(&seconds_["linears"]);
+      if (defined(l.post_ff_norm)) x = rms_norm(x, c10::nullopt, l.post_ff_norm, eps_, offset_);
+    }
+    torch::Tensor out = layers_.empty() ? rms_norm(residual, c10::nullopt, final_norm_, eps_, offset_)
+                                        : rms_norm(x, residual, final_norm_, eps_, offset_);
+    watch.lap(&seconds_["norms, rotary, activation"]);
+    return out;
+  }
+
+  // Off by default: with it on, forward adds each part's wall time to profile().
+  void set_profiling(bool on) {
+    profiling_ = on;
+    seconds_.clear();
+  }
+  std::map<std::string, double> profile() const { return seconds_; }
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_, hidden_, intermediate_;
+  double eps_, offset_, scale_;
+  bool gelu_tanh_;
+  torch::Tensor final_norm_;
+  std::vector<DecodeLayer> layers_;
+  bool profiling_ = false;
+  std::map<std::string, double> seconds_;
+};
+
+void bind_fused_decoder(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<FusedDecoder>(m, "FusedDecoder")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, bool, torch::Tensor>(),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("hidden"),
+           py::arg("intermediate"), py::arg("eps"), py::arg("norm_offset"), py::arg("scale"), py::arg("gelu_tanh"),
+           py::arg("final_norm"))
+      .def("add_layer", &FusedDecoder::add_layer, py::arg("input_norm"), py::arg("post_attn_norm"),
+           py::arg("pre_ff_norm"), py::arg("post_ff_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
+           py::arg("qkv_bias"), py::arg("o"), py::arg("o_bias"), py::arg("gate_up"), py::arg("down"),
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("rope"), py::arg("group"))
+      .def("forward", &FusedDecoder::forward)
+      .def("set_profiling", &FusedDecoder::set_profiling)
+      .def("profile", &FusedDecoder::profile);
+}
