@@ -18,6 +18,9 @@ class ModelConfig:
     """Tokenizer directory; defaults to the model's own."""
     packed_linears: bool = True
     """float32: run the linears on baton's panel kernel over packed weights (false: torch's F.linear)."""
+    fused_decode: bool = True
+    """Packed float32 models: a step of decodes only runs as one C++ call (false: module by module,
+    as steps with a prefill do; the outputs are the same bits either way)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -26,7 +26,6 @@ import numpy as np
 import baton.engine.engine as engine_mod
 import baton.models.llama as llama_mod
 from baton import LLM, SamplingParams
-from baton.models.fused_decode import FusedDecoder
 
 timers: dict[str, float] = defaultdict(float)
 
@@ -51,9 +50,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--modules", action="store_true", help="profile the module-by-module path")
     args = ap.parse_args()
-    if args.modules:
-        FusedDecoder.supports = staticmethod(lambda model, storage: False)
-    llm = LLM(args.model, progress=False)
+    llm = LLM(args.model, progress=False, fused_decode=not args.modules)
     engine = llm.engine
     runner, model = engine.runner, engine.model
 

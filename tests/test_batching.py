@@ -42,7 +42,7 @@ def test_fused_decode_step_gives_the_module_path_bits(model, request, monkeypatc
     monkeypatch.setattr(FusedDecoder, "__call__", lambda self, *a: calls.append(1) or fused_call(self, *a))
     fused = llm.generate(prompts, params)
     assert len(calls) >= 11  # every step after the prefills
-    monkeypatch.setattr(FusedDecoder, "supports", staticmethod(lambda model, storage: False))
+    monkeypatch.setattr(llm.engine.model, "fused_decode", False)
     modules = llm.generate(prompts, params)
     for a, b in zip(fused, modules):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

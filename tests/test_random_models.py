@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
-from baton.models.fused_decode import FusedDecoder
 
 SMALL = dict(
     vocab_size=256,
@@ -72,7 +71,7 @@ def test_random_model_logits(tmp_path, case, monkeypatch):
         assert tok == ref_lp[len(ids) - 1 + i].argmax().item()
     assert llm.engine.model.fused_decoder is not None  # the decode steps ran as one C++ call
     # ... with the bits of the module-by-module path
-    monkeypatch.setattr(FusedDecoder, "supports", staticmethod(lambda model, storage: False))
+    monkeypatch.setattr(llm.engine.model, "fused_decode", False)
     unfused = llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0]
     assert unfused.token_ids == new
     assert [e[t].logprob for t, e in zip(new, unfused.logprobs)] == [

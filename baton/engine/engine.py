@@ -43,6 +43,7 @@ class LLMEngine:
         self.model, self.model_config = loaded.model, loaded.config
         if config.model.packed_linears and can_pack_linears(dtype):
             self.model.pack_linears()
+        self.model.fused_decode = config.model.fused_decode
         self.tokenizer = load_tokenizer(loaded.path, config.env.cache_dir, config.model.tokenizer)
         cache, sched = config.cache, config.scheduler
         kv_dtype = getattr(torch, cache.kv_cache_dtype or config.model.dtype)
@@ -215,8 +216,9 @@ class LLMEngine:
             )
         to_sample = [s.request for s in batch.scheduled if s.request.request_id in out.sample_rows]
         if to_sample:
-            rows = torch.tensor([out.sample_rows[r.request_id] for r in to_sample])
-            result = sample(out.logits[rows], to_sample)
+            rows = [out.sample_rows[r.request_id] for r in to_sample]
+            logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[torch.tensor(rows)]
+            result = sample(logits, to_sample)
             for i, req in enumerate(to_sample):
                 if req.export_kv is not None and req.num_output_tokens == 0:
                     span = export_span(

@@ -98,7 +98,9 @@ class ModelRunner:
             row += s.num_new_tokens
         ctx = ForwardContext(self.storage, [self._group_metadata(g, batch) for g in self.kv.spec.groups])
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)), ctx)
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, dtype=torch.long)]).float()
+        if len(logit_rows) < hidden.shape[0]:  # else every row, in order (logit_rows is increasing)
+            hidden = hidden[torch.tensor(logit_rows, dtype=torch.long)]
+        logits = self.model.compute_logits(hidden).float()
         return ModelOutput(logits, sample_rows, prompt_rows)
 
 

@@ -116,7 +116,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = nn.ModuleDict({kind: Rotary(rope, cfg.head_dim) for kind, rope in cfg.rope.items()})
         self.layer_kinds = list(dict.fromkeys(layer.self_attn.kind for layer in self.layers))
+        self.fused_decode = True  # decode-only steps as one C++ call where FusedDecoder supports the model
         self.fused_decoder: FusedDecoder | None = None
+        self._fused_storage: KVStorage | None = None  # the storage fused_decoder was decided for
         self.requires_grad_(False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -125,14 +127,21 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed(input_ids)
         rope = {kind: self.rotary[kind](positions, x.dtype) for kind in self.layer_kinds}
-        if ctx.decode_only and FusedDecoder.supports(self, ctx.storage):
-            if self.fused_decoder is None or self.fused_decoder.storage is not ctx.storage:
-                self.fused_decoder = FusedDecoder(self, ctx.storage)
+        if ctx.decode_only and self._fused_decoder_for(ctx.storage) is not None:
             return self.fused_decoder(x, rope, ctx.groups)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, ctx)
         return self.norm(x, residual)
+
+    def _fused_decoder_for(self, storage: KVStorage) -> FusedDecoder | None:
+        """The one-call decode step over `storage`, built on first use; None where it does not apply."""
+        if not self.fused_decode:
+            return None
+        if self._fused_storage is not storage:
+            self._fused_storage = storage
+            self.fused_decoder = FusedDecoder(self, storage) if FusedDecoder.supports(self, storage) else None
+        return self.fused_decoder
 
     def pack_linears(self) -> None:
         """Run the projections and the lm_head through baton's packed float32 kernel (after loading).
