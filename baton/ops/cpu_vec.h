@@ -16,11 +16,16 @@
 
 using Vec = at::vec::Vectorized<float>;
 
+// the sum of a vector's lanes
+inline float sum_lanes(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+}
+
 // sum of a[i] * b[i] over d floats (lanes past d load as zero)
 inline float dot(const float* a, const float* b, int64_t d) {
   Vec s(0.f);
   int64_t i = 0;
   for (; i + Vec::size() <= d; i += Vec::size()) s = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), s);
   if (i < d) s = at::vec::fmadd(Vec::loadu(a + i, d - i), Vec::loadu(b + i, d - i), s);
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s);
+  return sum_lanes(s);
 }

@@ -7,6 +7,7 @@
 
 #include <pybind11/stl.h>
 
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -39,16 +40,19 @@ void write_kv(const torch::Tensor& src, torch::Tensor& cache, const torch::Tenso
   }
 }
 
-bool defined(const torch::Tensor& t) { return t.defined(); }
+// The parts of a step that profiling times, and their names in profile()
+enum Part { kNorms, kLinears, kAttention, kNumParts };
+constexpr const char* kPartNames[kNumParts] = {"norms, rotary, activation", "linears", "attention (KV write, kernel)"};
 
-// Adds the time from its construction to the next lap() (or its end) to a total, when given one.
+// With totals given, lap(part) adds the time since the last lap (or the start) to totals[part];
+// without, it does nothing.
 class Stopwatch {
  public:
-  explicit Stopwatch(bool on) : on_(on), start_(on ? now() : 0.0) {}
-  void lap(double* total) {
-    if (!on_) return;
+  explicit Stopwatch(double* totals) : totals_(totals), start_(totals ? now() : 0.0) {}
+  void lap(Part part) {
+    if (totals_ == nullptr) return;
     const double t = now();
-    *total += t - start_;
+    totals_[part] += t - start_;
     start_ = t;
   }
 
@@ -56,7 +60,7 @@ class Stopwatch {
   static double now() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   }
-  bool on_;
+  double* totals_;
   double start_;
 };
 
@@ -120,58 +124,62 @@ class FusedDecoder {
                   "slot_mapping must be contiguous int64 [rows]");
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     torch::Tensor residual = x_in.contiguous().clone(), x;
-    Stopwatch watch(profiling_);
+    Stopwatch watch(profiling_ ? seconds_.data() : nullptr);
     for (size_t i = 0; i < layers_.size(); ++i) {
       DecodeLayer& l = layers_[i];
       TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()) && l.group < static_cast<int64_t>(groups),
                   "layer ", i, " reads a rope kind or KV group that was not given");
       const torch::Tensor h = i == 0 ? rms_norm(residual, c10::nullopt, l.input_norm, eps_, offset_)
                                      : rms_norm(x, residual, l.input_norm, eps_, offset_);
-      watch.lap(&seconds_["norms, rotary, activation"]);
+      watch.lap(kNorms);
       const torch::Tensor qkv = panel_linear(h, l.qkv, l.qkv_bias, q_size + 2 * kv_size);
-      watch.lap(&seconds_["linears"]);
+      watch.lap(kLinears);
       torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({n, num_heads_ + num_kv_heads_, head_dim_});
       torch::Tensor q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
       const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
-      if (defined(l.q_norm)) {
+      if (l.q_norm.defined()) {
         rms_norm_heads_(q, l.q_norm, eps_, offset_);
         rms_norm_heads_(k, l.k_norm, eps_, offset_);
       }
       rotary_(qk, cos[l.rope], sin[l.rope]);
-      watch.lap(&seconds_["norms, rotary, activation"]);
+      watch.lap(kNorms);
       write_kv(k, l.k_cache, slot_mapping[l.group]);
       write_kv(v, l.v_cache, slot_mapping[l.group]);
       const torch::Tensor attn = paged_decode_attention(q, l.k_cache, l.v_cache, block_ids[l.group],
                                                         kv_offsets[l.group], kv_lens[l.group], block_size, scale_);
-      watch.lap(&seconds_["attention (KV write, kernel)"]);
+      watch.lap(kAttention);
       const torch::Tensor o = panel_linear(attn.view({n, q_size}), l.o, l.o_bias, hidden_);
-      watch.lap(&seconds_["linears"]);
+      watch.lap(kLinears);
       const torch::Tensor mlp_in =
-          defined(l.pre_ff_norm)
+          l.pre_ff_norm.defined()
               ? rms_norm(rms_norm(o, c10::nullopt, l.post_attn_norm, eps_, offset_), residual, l.pre_ff_norm, eps_,
                          offset_)
               : rms_norm(o, residual, l.post_attn_norm, eps_, offset_);
-      watch.lap(&seconds_["norms, rotary, activation"]);
+      watch.lap(kNorms);
       const torch::Tensor gate_up = panel_linear(mlp_in, l.gate_up, c10::nullopt, 2 * intermediate_);
-      watch.lap(&seconds_["linears"]);
+      watch.lap(kLinears);
       const torch::Tensor act = gated_act(gate_up, gelu_tanh_);
-      watch.lap(&seconds_["norms, rotary, activation"]);
+      watch.lap(kNorms);
       x = panel_linear(act, l.down, c10::nullopt, hidden_);
-      watch.lap(&seconds_["linears"]);
-      if (defined(l.post_ff_norm)) x = rms_norm(x, c10::nullopt, l.post_ff_norm, eps_, offset_);
+      watch.lap(kLinears);
+      if (l.post_ff_norm.defined()) x = rms_norm(x, c10::nullopt, l.post_ff_norm, eps_, offset_);
     }
     torch::Tensor out = layers_.empty() ? rms_norm(residual, c10::nullopt, final_norm_, eps_, offset_)
                                         : rms_norm(x, residual, final_norm_, eps_, offset_);
-    watch.lap(&seconds_["norms, rotary, activation"]);
+    watch.lap(kNorms);
     return out;
   }
 
   // Off by default: with it on, forward adds each part's wall time to profile().
   void set_profiling(bool on) {
     profiling_ = on;
-    seconds_.clear();
+    seconds_.fill(0.0);
   }
-  std::map<std::string, double> profile() const { return seconds_; }
+  std::map<std::string, double> profile() const {
+    std::map<std::string, double> named;
+    for (int part = 0; part < kNumParts; ++part) named[kPartNames[part]] = seconds_[part];
+    return named;
+  }
 
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_, intermediate_;
@@ -180,7 +188,7 @@ class FusedDecoder {
   torch::Tensor final_norm_;
   std::vector<DecodeLayer> layers_;
   bool profiling_ = false;
-  std::map<std::string, double> seconds_;
+  std::array<double, kNumParts> seconds_{};
 };
 
 void bind_fused_decoder(pybind11::module_& m) {

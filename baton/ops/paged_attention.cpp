@@ -33,7 +33,7 @@ inline float exp_sub_sum(float* x, float m, int64_t n) {
     e.store(x + i);
     sum = sum + e;
   }
-  float total = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+  float total = sum_lanes(sum);
   for (; i < n; ++i) total += (x[i] = std::exp(x[i] - m));
   return total;
 }
@@ -82,7 +82,7 @@ inline void block_scores(const float* q, int64_t g, const float* const* k, int64
       for (int64_t j = 0; j < g; ++j) {
         Vec s(0.f);
         for (int64_t i = 0; i < NV; ++i) s = at::vec::fmadd(Vec::loadu(q + j * d + i * Vec::size()), kv[i], s);
-        scores[j * stride + p] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s);
+        scores[j * stride + p] = sum_lanes(s);
       }
     }
   }
