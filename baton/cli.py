@@ -7,7 +7,7 @@ import dataclasses
 import signal
 import sys
 
-from baton.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from baton.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig, ServerConfig
 from baton.ops import OpsBuildError
 
 _CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
@@ -41,13 +41,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def _section(section, args: argparse.Namespace):
+    return section(**{f.name: getattr(args, f.name) for f in dataclasses.fields(section)})
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    parts = {
-        section: section(**{f.name: getattr(args, f.name) for f in dataclasses.fields(section)})
-        for section in _CONFIG_SECTIONS
-    }
+    kv_transfer = _section(KVTransferConfig, args) if hasattr(args, "kv_role") else KVTransferConfig()
     return EngineConfig(
-        model=parts[ModelConfig], cache=parts[CacheConfig], scheduler=parts[SchedulerConfig], seed=args.seed
+        model=_section(ModelConfig, args),
+        cache=_section(CacheConfig, args),
+        scheduler=_section(SchedulerConfig, args),
+        kv_transfer=kv_transfer,
+        seed=args.seed,
     )
 
 
@@ -95,10 +100,16 @@ def _serve(args: argparse.Namespace) -> None:
     from baton.server.app import build_app
 
     config = engine_config(args)
-    server = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
+    server = _section(ServerConfig, args)
     server.api_key = server.api_key or config.env.api_key
+    config.env.api_key = server.api_key  # the kv secret defaults to the API key
+    if config.kv_transfer.kv_role != "none" and config.kv_secret_bytes() is None:
+        raise ValueError(
+            f"--kv-role {config.kv_transfer.kv_role} needs a shared secret for the internal routes and KV spans: "
+            "pass --kv-secret (or set BATON_KV_SECRET, or --api-key) on every worker and the router"
+        )
     logging.basicConfig(level=config.env.log_level, format="%(levelname)s %(name)s: %(message)s")
-    app = build_app(AsyncEngine(lambda: LLMEngine(config)), server, config.model.model)
+    app = build_app(AsyncEngine(lambda: LLMEngine(config)), server, config.model.model, config.kv_transfer)
     # The engine thread and the event loop trade the GIL every step; a shorter switch interval
     # than the default 5 ms hands it over sooner (c1 TPOT about 5% lower in A/B runs here).
     sys.setswitchinterval(0.0005)
@@ -119,30 +130,53 @@ def _router(args: argparse.Namespace) -> None:
 
     import uvicorn
 
+    from baton.config import EnvSettings
     from baton.handoff.router import Router, build_router_app
 
+    env = EnvSettings.read()
+    api_key = args.api_key or env.api_key
+    secret = args.kv_secret or env.kv_secret or api_key
+    if args.prefill and secret is None:
+        raise ValueError("the router needs the workers' kv secret: pass --kv-secret (or BATON_KV_SECRET, or --api-key)")
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
-    app = build_router_app(Router(args.prefill or [], args.decode, args.span_format))
+    router = Router(args.prefill or [], args.decode, args.span_format, kv_secret=secret)
+    app = build_router_app(router, api_key=api_key, max_request_bytes=args.max_request_bytes)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
 
 
 def _pd(args: argparse.Namespace) -> None:
     """A prefill worker, a decode worker (different KV dtype, block size and layout) and a router."""
+    import os
+    import secrets
     import subprocess
 
     from baton.bench.procs import wait_healthy
 
     base = [sys.executable, "-m", "baton.cli", "serve", "--model", args.model, "--served-model-name", args.model]
+    # one secret for the trio, through the environment (a command line is visible to every user)
+    env = {**os.environ, "BATON_KV_SECRET": os.environ.get("BATON_KV_SECRET") or secrets.token_hex(32)}
     p_port, d_port = args.port + 100, args.port + 200
     # `kill <pid>` must stop the workers too: SIGTERM becomes SystemExit, so the finally below runs
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     procs = [
         subprocess.Popen(
-            [*base, "--kv-role", "prefill", "--port", str(p_port), "--block-size", "16", "--kv-cache-dtype", "bfloat16"]
+            [
+                *base,
+                "--kv-role",
+                "prefill",
+                "--port",
+                str(p_port),
+                "--block-size",
+                "16",
+                "--kv-cache-dtype",
+                "bfloat16",
+            ],
+            env=env,
         ),
         subprocess.Popen(
-            [*base, "--kv-role", "decode", "--port", str(d_port), "--block-size", "64", "--kv-layout", "HND"]
+            [*base, "--kv-role", "decode", "--port", str(d_port), "--block-size", "64", "--kv-layout", "HND"],
+            env=env,
         ),
     ]
     try:
@@ -164,7 +198,8 @@ def _pd(args: argparse.Namespace) -> None:
                     f"http://127.0.0.1:{p_port}",
                     "--decode",
                     f"http://127.0.0.1:{d_port}",
-                ]
+                ],
+                env=env,
             )
         )
         print(
@@ -198,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_args(serve)
-    add_config_args(serve, (ServerConfig,))
+    add_config_args(serve, (ServerConfig, KVTransferConfig))
     serve.set_defaults(func=_serve)
     router = sub.add_parser("router", help="the prefill/decode front: OpenAI routes over P and D workers")
     router.add_argument("--prefill", nargs="*", help="prefill worker URLs")
@@ -206,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
     router.add_argument("--span-format", choices=["grouped", "dense"], default="grouped")
+    router.add_argument("--api-key", default=None, help="clients must send it (or BATON_API_KEY); forwarded to workers")
+    router.add_argument(
+        "--kv-secret", default=None, help="the workers' kv secret (or BATON_KV_SECRET, else the API key)"
+    )
+    router.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes)
     router.set_defaults(func=_router)
     pd = sub.add_parser("pd", help="start a prefill worker, a decode worker and a router on this machine")
     pd.add_argument("--model", default="smollm2-135m")

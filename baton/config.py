@@ -81,18 +81,42 @@ class ServerConfig:
     max_request_bytes: int = 4 << 20
     """Larger request bodies get 413."""
     graceful_shutdown_s: int = 30
-    kv_role: str = "both"
-    """prefill: export KV spans on /v1/internal/prefill; decode: accept them on /v1/internal/kv; both."""
-    max_kv_span_bytes: int = 2 << 30
-    """Largest KV span body accepted on /v1/internal/kv."""
+    max_waiting_requests: int = 256
+    """Requests queued but not yet running; past it new requests get 503 with Retry-After."""
+    max_sequences_per_request: int = 256
+    """prompts x n of one request; past it, 400."""
 
     def __post_init__(self) -> None:
-        if self.kv_role not in ("prefill", "decode", "both"):
-            raise ValueError(f"kv_role must be prefill, decode or both, got {self.kv_role!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_bytes < 1:
             raise ValueError("max_request_bytes must be positive")
+        if self.max_waiting_requests < 1 or self.max_sequences_per_request < 1:
+            raise ValueError("max_waiting_requests and max_sequences_per_request must be positive")
+
+
+KV_ROLES = ("none", "prefill", "decode", "both")
+
+
+@dataclass
+class KVTransferConfig:
+    kv_role: str = "none"
+    """none: no internal routes; prefill: export KV spans on /v1/internal/prefill; decode: accept them
+    on /v1/internal/kv; both."""
+    kv_secret: str | None = None
+    """Shared secret of a PD deployment (or BATON_KV_SECRET; defaults to the API key): internal routes
+    require it and every KV span carries an HMAC-SHA256 made with it. Without one, spans are signed
+    with a random per-process key, so only the process that exported a span can import it."""
+    max_kv_span_bytes: int = 2 << 30
+    """Largest KV span body accepted on /v1/internal/kv."""
+    max_parked_kv_bytes: int = 4 << 30
+    """Total bytes of KV spans parked on a decode worker, waiting for their requests."""
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.max_kv_span_bytes < 1 or self.max_parked_kv_bytes < 1:
+            raise ValueError("max_kv_span_bytes and max_parked_kv_bytes must be positive")
 
 
 @dataclass
@@ -101,6 +125,7 @@ class EnvSettings:
     log_level: str = "INFO"
     cache_dir: Path = Path.home() / ".cache" / "baton"
     api_key: str | None = None
+    kv_secret: str | None = None
 
     @classmethod
     def read(cls) -> EnvSettings:
@@ -110,6 +135,7 @@ class EnvSettings:
             log_level=os.environ.get("BATON_LOG_LEVEL", "INFO"),
             cache_dir=Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton")),
             api_key=os.environ.get("BATON_API_KEY") or None,
+            kv_secret=os.environ.get("BATON_KV_SECRET") or None,
         )
 
 
@@ -118,13 +144,19 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     env: EnvSettings = field(default_factory=EnvSettings.read)
     seed: int = 0
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Build the tree from flat keyword arguments (`LLM(model=..., block_size=...)`)."""
-        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        sections = {
+            "model": ModelConfig,
+            "cache": CacheConfig,
+            "scheduler": SchedulerConfig,
+            "kv_transfer": KVTransferConfig,
+        }
         parts: dict[str, dict] = {name: {} for name in sections}
         seed = kwargs.pop("seed", 0)
         for key, value in kwargs.items():
@@ -134,3 +166,8 @@ class EngineConfig:
                 raise TypeError(f"unknown engine setting {key!r}; known: {', '.join(known)}")
             parts[owner][key] = value
         return cls(**{s: c(**parts[s]) for s, c in sections.items()}, seed=seed)
+
+    def kv_secret_bytes(self) -> bytes | None:
+        """The explicit shared secret (flag, BATON_KV_SECRET, else the API key), or None."""
+        secret = self.kv_transfer.kv_secret or self.env.kv_secret or self.env.api_key
+        return secret.encode() if secret else None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_SEED = 2**64  # seeds are in [0, 2^64), as torch.Generator takes them
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 
 
 @dataclass
@@ -27,17 +29,24 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before sampling, each in [-100, 100]."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be sampled."""
+    bad_words: list[str] | None = None
+    """Word sequences never generated: their last token is banned wherever the rest has just been produced."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        bias = self.logit_bias or {}
         checks = [
             (self.n >= 1, "n", "must be >= 1"),
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
-            (self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive integer"),
+            (-1 <= self.top_k < 2**31, "top_k", "must be -1, 0 (off) or a positive integer below 2^31"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
             (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]"),
@@ -55,11 +64,42 @@ class SamplingParams:
                 f"must be in [0, {MAX_LOGPROBS}]",
             ),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids"),
+            (all(_is_id(t) for t in self.stop_token_ids), "stop_token_ids", "must be token ids"),
+            (self.seed is None or (_is_int(self.seed) and 0 <= self.seed < MAX_SEED), "seed", "must be in [0, 2^64)"),
+            (
+                all(_is_id(t) and _is_number(b) and abs(b) <= MAX_LOGIT_BIAS for t, b in bias.items()),
+                "logit_bias",
+                f"must map token ids to values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            ),
+            (
+                self.allowed_token_ids is None or (self.allowed_token_ids and all(map(_is_id, self.allowed_token_ids))),
+                "allowed_token_ids",
+                "must be a non-empty list of token ids",
+            ),
+            (
+                self.bad_words is None or all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words",
+                "must be non-empty strings",
+            ),
         ]
         for ok, name, rule in checks:
             if not ok:
                 raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {rule}")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Every token id the request names must index the vocabulary (an id past it would fail the
+        whole engine step, and with it every other request in the batch)."""
+        named = {
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": list((self.logit_bias or {}).keys()),
+            "allowed_token_ids": self.allowed_token_ids or [],
+        }
+        for name, ids in named.items():
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"invalid sampling parameter {name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -72,3 +112,15 @@ class SamplingParams:
     @property
     def uses_filters(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_id(x) -> bool:
+    return _is_int(x) and x >= 0
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x

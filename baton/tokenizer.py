@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -30,8 +33,23 @@ def load_tokenizer(model_path: Path, cache_dir: Path, tokenizer: str | None = No
         return AutoTokenizer.from_pretrained(str(cached))
     logger.info("converting the tokenizer of %s (cached in %s)", model_path.name, cached)
     tok = AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
-    tok.save_pretrained(str(cached))
+    _save_atomically(tok, cached)
     return tok
+
+
+def _save_atomically(tok: PreTrainedTokenizerBase, cached: Path) -> None:
+    """Save into a unique temporary directory, then rename it into place: a reader never sees a
+    half-written tokenizer, and when another process got there first, its copy stays and ours goes."""
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{cached.name}."))
+    try:
+        tok.save_pretrained(str(tmp))
+        os.rename(tmp, cached)  # fails if `cached` appeared meanwhile (and is not empty)
+    except OSError as e:
+        if not (cached / "tokenizer_config.json").exists():  # not another process's copy: say so, serve ours
+            logger.warning("could not cache the tokenizer in %s: %s", cached, e)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def apply_chat_template(tok: PreTrainedTokenizerBase | None, messages: list[dict]) -> list[int]:

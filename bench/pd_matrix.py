@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import signal
 import statistics
 import subprocess
@@ -25,11 +27,15 @@ from baton.bench.serve import random_prompts
 CELLS = [(i, o, c) for i in (128, 2000) for o in (32, 128) for c in (1, 4)]
 
 
+KV_SECRET = secrets.token_hex(32)  # shared by the workers and the router, through the environment
+
+
 def start(args: list[str], port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "baton.cli", *args, "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, "BATON_KV_SECRET": KV_SECRET},
     )
     wait_healthy(f"http://127.0.0.1:{port}", proc, 300)
     return proc

@@ -4,15 +4,26 @@ attention) against the same math written out by hand in float64."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import baton.engine.runner as runner
+import baton.ops as baton_ops
 from baton.models.layers import PrefillSeq, _prefill_attention
 from baton.ops import (
+    LIB,
+    cache_key,
     empty_huge_pages,
     gated_act,
+    ops,
     pack_weight_panels,
     paged_decode_attention,
     panel_linear,
@@ -20,6 +31,8 @@ from baton.ops import (
     rms_norm_heads_,
     rotary_,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def reference(q, k_cache, v_cache, block_table, offsets, lens, block_size, scale):
@@ -96,6 +109,283 @@ def test_decode_attention_rejects_mismatched_inputs():
         paged_decode_attention(q, k_cache, v_cache, table.int(), offsets, lens, 4, 0.25)
     with pytest.raises(RuntimeError, match="head shapes"):
         paged_decode_attention(q[:, :3], k_cache, v_cache, table, offsets, lens, 4, 0.25)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize(
+    "corrupt,message",
+    [
+        ("block_past_the_cache", r"block_table\[1, 0\] = {num_blocks} is outside the KV cache's {num_blocks} blocks"),
+        ("negative_block", r"block_table\[1, 0\] = -1 is outside the KV cache's {num_blocks} blocks"),
+        ("negative_offset", r"kv_offset\[0\] = -1 is negative"),
+        ("zero_length", r"kv_len\[1\] = 0: a decode attends to at least one position"),
+        ("past_the_table_row", r"kv_offset\[0\] \+ kv_len\[0\] = 3 \+ 18 runs past block_table row 0 \(5 blocks"),
+        ("zero_block_size", r"block_size must be at least 1, got 0"),
+    ],
+)
+def test_decode_attention_rejects_a_context_it_would_read_out_of_bounds(layout, corrupt, message):
+    block_size, num_blocks, width = 4, 13, 5
+    g = torch.Generator().manual_seed(4)
+    shape = (num_blocks * block_size, 2, 16)
+    k_cache, v_cache = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    if layout == "HND":  # [heads, slots, dim] storage read through a [slots, heads, dim] view
+        k_cache, v_cache = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (k_cache, v_cache))
+    q = torch.randn(2, 4, 16, generator=g)
+    table = torch.arange(2 * width).view(2, width).contiguous()
+    offsets, lens = torch.tensor([3, 0]), torch.tensor([10, 7])
+    bs = block_size
+    if corrupt == "block_past_the_cache":
+        table[1, 0] = num_blocks
+    elif corrupt == "negative_block":
+        table[1, 0] = -1
+    elif corrupt == "negative_offset":
+        offsets[0] = -1
+    elif corrupt == "zero_length":
+        lens[1] = 0
+    elif corrupt == "past_the_table_row":
+        lens[0] = width * block_size - 3 + 1
+    else:
+        bs = 0
+    with pytest.raises(RuntimeError, match=message.format(num_blocks=num_blocks)):
+        paged_decode_attention(q, k_cache, v_cache, table, offsets, lens, bs, 0.25)
+
+
+def test_decode_attention_ignores_table_entries_past_the_context():
+    """Rows are padded to the widest context: entries no position of a row reads may hold anything."""
+    q, k_cache, v_cache, table, offsets, lens = random_case(3, 4, 2, 16, 4, 20, torch.float32, "NHD", seed=5)
+    padded = torch.cat([table, torch.full((3, 2), -7)], 1)
+    lens[0] = 1
+    padded[0, offsets[0] // 4 + 1 :] = 10**9  # past its one position
+    out = paged_decode_attention(q, k_cache, v_cache, padded, offsets, lens, 4, 0.25)
+    ref = reference(q, k_cache, v_cache, table, offsets, lens, 4, 0.25)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def tiny_decoder(num_blocks=6, block_size=4):
+    """A one-layer FusedDecoder over random weights and a zeroed KV cache: heads 2, kv heads 1, dim 16."""
+    g = torch.Generator().manual_seed(6)
+    hidden, heads, kv_heads, dim, inner = 32, 2, 1, 16, 64
+
+    def panels(n, k):
+        return pack_weight_panels(torch.randn(n, k, generator=g) / math.sqrt(k))
+
+    decoder = ops().FusedDecoder(heads, kv_heads, dim, hidden, inner, 1e-6, 0.0, 0.25, False, torch.ones(hidden))
+    k_cache = torch.zeros(num_blocks * block_size, kv_heads, dim)
+    v_cache = torch.zeros_like(k_cache)
+    qkv, o = panels((heads + 2 * kv_heads) * dim, hidden), panels(hidden, heads * dim)
+    gate_up, down = panels(2 * inner, hidden), panels(hidden, inner)
+    norm = torch.ones(hidden)
+    decoder.add_layer(norm, norm, None, None, None, None, qkv, None, o, None, gate_up, down, k_cache, v_cache, 0, 0)
+    return decoder, k_cache, v_cache
+
+
+def decode_step(decoder, block_size=4, **metadata):
+    """Two decode rows: row 0 at position 4 over blocks [2, 3], row 1 at position 2 of block 5."""
+    step = {
+        "slot_mapping": torch.tensor([3 * block_size, 5 * block_size + 2]),
+        "block_ids": torch.tensor([[2, 3], [5, 0]]),
+        "kv_offsets": torch.tensor([0, 0]),
+        "kv_lens": torch.tensor([5, 3]),
+        "block_size": block_size,
+    }
+    step.update(metadata)
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(7))
+    angle = torch.rand(2, 8, generator=torch.Generator().manual_seed(8))
+    cos, sin = torch.cat([angle.cos()] * 2, 1), torch.cat([-angle.sin(), angle.sin()], 1)
+    group = [step["slot_mapping"]], [step["block_ids"]], [step["kv_offsets"]], [step["kv_lens"]]
+    return decoder.forward(x, [cos], [sin], *group, step["block_size"])
+
+
+@pytest.mark.parametrize(
+    "metadata,message",
+    [
+        ({"block_ids": torch.tensor([[2, 6], [5, 0]])}, r"block_table\[0, 1\] = 6 is outside the KV cache's 6 blocks"),
+        ({"kv_offsets": torch.tensor([0, -2])}, r"kv_offset\[1\] = -2 is negative"),
+        ({"kv_lens": torch.tensor([0, 3])}, r"kv_len\[0\] = 0"),
+        ({"kv_lens": torch.tensor([5, 9])}, r"kv_offset\[1\] \+ kv_len\[1\] = 0 \+ 9 runs past block_table row 1"),
+        ({"slot_mapping": torch.tensor([12, 24])}, r"slot_mapping\[0\]\[1\] = 24 is outside the KV cache's 24 slots"),
+        ({"block_size": 0}, r"block_size must be at least 1, got 0"),
+    ],
+)
+def test_fused_decode_step_rejects_bad_metadata_before_writing_the_cache(metadata, message):
+    decoder, k_cache, v_cache = tiny_decoder()
+    assert decode_step(decoder).isfinite().all()  # the good step runs
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(RuntimeError, match=message):
+        decode_step(decoder, **metadata)
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
+
+
+def ticks_while(call) -> tuple[list[float], float, float]:
+    """The times a Python thread woke (it sleeps 1 ms a turn) while call() ran in this one, and
+    when call() started and ended."""
+    ticks, stop = [], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        time.sleep(0.02)
+        start = time.perf_counter()
+        call()
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        counter.join()
+    return [t for t in ticks if start <= t <= end], start, end
+
+
+def long_panel_linear():
+    g = torch.Generator().manual_seed(9)
+    x, packed = torch.randn(1024, 2048, generator=g), pack_weight_panels(torch.randn(4096, 2048, generator=g))
+    return lambda: panel_linear(x, packed, None, 4096)
+
+
+def long_decode_attention():
+    g = torch.Generator().manual_seed(10)
+    k_cache, v_cache = torch.randn(4096 * 16, 2, 64, generator=g), torch.randn(4096 * 16, 2, 64, generator=g)
+    table = torch.randperm(4096, generator=g)[:512].repeat(64, 1)
+    q, offsets, lens = torch.randn(64, 16, 64, generator=g), torch.zeros(64, dtype=torch.long), torch.full((64,), 8192)
+    return lambda: paged_decode_attention(q, k_cache, v_cache, table, offsets, lens, 16, 0.125)
+
+
+def long_fused_decode_step():
+    """8 layers (sharing one set of weights) of a 1024-wide model at 64 rows."""
+    g = torch.Generator().manual_seed(11)
+    hidden, heads, kv_heads, dim, inner, rows = 1024, 16, 4, 64, 4096, 64
+
+    def panels(n, k):
+        return pack_weight_panels(torch.randn(n, k, generator=g) / math.sqrt(k))
+
+    decoder = ops().FusedDecoder(heads, kv_heads, dim, hidden, inner, 1e-6, 0.0, 0.125, False, torch.ones(hidden))
+    k_cache, v_cache = torch.zeros(rows * 16, kv_heads, dim), torch.zeros(rows * 16, kv_heads, dim)
+    layer = (panels((heads + 2 * kv_heads) * dim, hidden), None, panels(hidden, heads * dim), None)
+    mlp = (panels(2 * inner, hidden), panels(hidden, inner))
+    norm = torch.ones(hidden)
+    for _ in range(8):
+        decoder.add_layer(norm, norm, None, None, None, None, *layer, *mlp, k_cache, v_cache, 0, 0)
+    x, cos, sin = torch.randn(rows, hidden, generator=g), torch.ones(rows, dim), torch.zeros(rows, dim)
+    # row i writes the first slot of block i and reads that one position
+    slots, blocks = torch.arange(rows) * 16, torch.arange(rows)[:, None].contiguous()
+    offsets, lens = torch.zeros(rows, dtype=torch.long), torch.ones(rows, dtype=torch.long)
+    return lambda: decoder.forward(x, [cos], [sin], [slots], [blocks], [offsets], [lens], 16)
+
+
+@pytest.mark.parametrize("make_call", [long_panel_linear, long_decode_attention, long_fused_decode_step])
+def test_long_ops_let_other_python_threads_run(make_call):
+    """The server's event loop is a Python thread: it must keep running while an op computes."""
+    call = make_call()
+    call()  # warm up (page faults, thread pool)
+    ticks, start, end = ticks_while(call)
+    assert end - start > 0.02, "the op was too short to tell"
+    # holding the GIL, the op would keep the counter asleep from its start to its end
+    longest_gap = max(b - a for a, b in zip([start, *ticks], [*ticks, end]))
+    assert len(ticks) >= 5 and longest_gap < (end - start) / 2, (len(ticks), longest_gap, end - start)
+
+
+def test_cache_key_changes_with_the_cpu_the_compiler_and_the_arch():
+    avx2 = "fpu sse sse2 avx avx2 fma"
+    key = cache_key(avx2, "c++ (Debian 12.2.0-14) 12.2.0", "x86_64")
+    assert key == cache_key(avx2, "c++ (Debian 12.2.0-14) 12.2.0", "x86_64")
+    assert key.startswith(f"torch-{torch.__version__}-")
+    others = {
+        cache_key(avx2 + " avx512f avx512bw", "c++ (Debian 12.2.0-14) 12.2.0", "x86_64"),
+        cache_key("fpu sse sse2 avx", "c++ (Debian 12.2.0-14) 12.2.0", "x86_64"),
+        cache_key(avx2, "c++ (Debian 13.1.0-2) 13.1.0", "x86_64"),
+        cache_key(avx2, "c++ (Debian 12.2.0-14) 12.2.0", "aarch64"),
+    }
+    assert key not in others and len(others) == 4
+
+
+def test_a_built_cache_loads_without_building():
+    ops()  # builds here if this machine's cache is cold
+    script = (
+        "import torch.utils.cpp_extension as ext\n"
+        "def build(*a, **k): raise AssertionError('the cache was built again')\n"
+        "ext.load = build\n"
+        "from baton.ops import LIB, build_dir, ops\n"
+        "assert ops().__file__ == str(build_dir() / LIB), ops().__file__\n"
+        "print(ops().PANEL_LANES)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["16"]
+
+
+def fake_builds(monkeypatch, barrier=None):
+    """Stand in for torch's 40 s build: a library file written into the build directory given."""
+    from torch.utils import cpp_extension
+
+    def load(name, sources, extra_cflags, extra_ldflags, build_directory, verbose):
+        assert name == "baton_ops" and "-march=native" in extra_cflags
+        Path(build_directory, LIB).write_text(build_directory)
+        if barrier is not None:
+            barrier.wait(timeout=30)  # every build finished before any is published
+        return SimpleNamespace(built_in=build_directory)
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+
+
+def test_processes_building_a_cold_cache_at_once_all_succeed_and_leave_one_build(tmp_path, monkeypatch):
+    fake_builds(monkeypatch, threading.Barrier(3))
+    final = tmp_path / "torch-x-0123"
+    modules = [None] * 3
+
+    def build(i):
+        modules[i] = baton_ops._build(final)
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(m is not None for m in modules)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]  # the losers' builds are gone
+    assert sorted(p.name for p in final.iterdir()) == [LIB]
+    assert (final / LIB).read_text() in {m.built_in for m in modules}  # one whole build, renamed in
+
+
+def test_a_damaged_cache_directory_is_built_again(tmp_path, monkeypatch):
+    fake_builds(monkeypatch)
+    final = tmp_path / "torch-x-0123"
+    final.mkdir()
+    (final / LIB).write_bytes(b"not a library")
+    monkeypatch.setattr(baton_ops, "build_dir", lambda: final)
+    module = baton_ops.ops.__wrapped__()
+    assert (final / LIB).read_text() == module.built_in
+    assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]
+
+
+def test_a_cache_directory_without_its_library_is_replaced(tmp_path, monkeypatch):
+    fake_builds(monkeypatch)
+    final = tmp_path / "torch-x-0123"
+    final.mkdir()
+    (final / "bindings.o").write_bytes(b"half a build")
+    module = baton_ops._build(final)
+    assert sorted(p.name for p in final.iterdir()) == [LIB]
+    assert (final / LIB).read_text() == module.built_in
+    assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]
+
+
+@pytest.mark.slow
+def test_two_processes_compiling_into_a_cold_cache_both_load_the_ops(tmp_path):
+    """The real build twice at once (minutes): both processes get working ops, one build stays."""
+    env = {**os.environ, "HOME": str(tmp_path)}
+    script = "from baton.ops import ops; print(ops().PANEL_LANES)"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert [o.split() for o in outs] == [["16"], ["16"]]
+    root = tmp_path / ".cache" / "baton" / "ops"
+    (entry,) = root.iterdir()
+    assert (entry / LIB).is_file() and ".tmp-" not in entry.name
 
 
 def causal_reference(q, k, v, q_pos, kv_pos, window, scale):
@@ -237,6 +527,26 @@ def test_row_ops_give_a_row_the_same_bits_in_any_batch():
     x, w = torch.randn(9, 64, generator=g), torch.randn(64, generator=g)
     assert torch.equal(rms_norm(x[3:4], w, 1e-6), rms_norm(x, w, 1e-6)[3:4])
     assert torch.equal(gated_act(x[3:4], True), gated_act(x, True)[3:4])
+
+
+def test_linear_and_row_ops_reject_mismatched_shapes():
+    packed, x = pack_weight_panels(torch.randn(40, 64)), torch.randn(2, 64)  # 3 panels: 48 outputs at most
+    with pytest.raises(RuntimeError, match="x has K = 63 input features, the packed weight 64"):
+        panel_linear(torch.randn(2, 63), packed, None, 40)
+    with pytest.raises(RuntimeError, match="out_features = 49 is outside the packed weight's 48"):
+        panel_linear(x, packed, None, 49)
+    with pytest.raises(RuntimeError, match=r"bias must be contiguous float32 \[out_features=40\]"):
+        panel_linear(x, packed, torch.randn(39), 40)
+    with pytest.raises(RuntimeError, match=r"weight must be contiguous float32 \[dim=64\]"):
+        rms_norm(x, torch.randn(63), 1e-6)
+    with pytest.raises(RuntimeError, match=r"residual \[3, 64\] does not match x \[2, 64\]"):
+        rms_norm(x, torch.randn(64), 1e-6, residual=torch.randn(3, 64))
+    with pytest.raises(RuntimeError, match=r"cos \[2, 16\] and sin \[3, 16\] must be \[tokens, dim\]"):
+        rotary_(torch.randn(2, 3, 16), torch.randn(2, 16), torch.randn(3, 16))
+    with pytest.raises(RuntimeError, match="x must be float32 \\[rows, dim\\]"):
+        gated_act(x.double(), False)
+    with pytest.raises(RuntimeError, match="x must hold gate and up halves"):
+        gated_act(torch.randn(2, 7), False)
 
 
 def test_huge_page_tensor_is_writable_and_sized():

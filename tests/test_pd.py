@@ -3,6 +3,8 @@ fallback to a local prefill when the prefill side dies or a span is refused."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import signal
 import subprocess
@@ -23,6 +25,10 @@ PROMPTS = [
 ]
 
 
+KEY = "pd-test-key"  # every process runs with --api-key; the kv secret defaults to it
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 class RouterProcess:
     def __init__(self, prefill: list[str], decode: list[str], span_format: str = "grouped") -> None:
         self.port = free_port()
@@ -38,6 +44,8 @@ class RouterProcess:
             *decode,
             "--span-format",
             span_format,
+            "--api-key",
+            KEY,
         ]
         if prefill:
             cmd += ["--prefill", *prefill]
@@ -59,8 +67,9 @@ class RouterProcess:
 @pytest.fixture(scope="module", params=[("smollm2-135m", "grouped"), ("gemma3-270m", "dense")], ids=lambda p: p[0])
 def trio(request):
     model, span_format = request.param
-    prefill = ServerProcess("--model", model, "--kv-role", "prefill", "--block-size", "16")
-    decode = ServerProcess("--model", model, "--kv-role", "decode", "--block-size", "64", "--kv-layout", "HND")
+    keyed = ("--model", model, "--api-key", KEY)
+    prefill = ServerProcess(*keyed, "--kv-role", "prefill", "--block-size", "16")
+    decode = ServerProcess(*keyed, "--kv-role", "decode", "--block-size", "64", "--kv-layout", "HND")
     router = RouterProcess([prefill.base_url], [decode.base_url], span_format)
     router.model = model
     yield prefill, decode, router
@@ -70,9 +79,9 @@ def trio(request):
             srv.terminate()
 
 
-def _complete(base: str, prompt: str, stream: bool = False, max_tokens: int = 16) -> str:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
-    r = requests.post(f"{base}/v1/completions", json=body, timeout=120, stream=stream)
+def _complete(base: str, prompt: str, stream: bool = False, max_tokens: int = 16, **sampling) -> str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, **sampling}
+    r = requests.post(f"{base}/v1/completions", json=body, timeout=120, stream=stream, headers=AUTH)
     assert r.status_code == 200, r.text
     if not stream:
         return r.json()["choices"][0]["text"]
@@ -95,8 +104,8 @@ def test_router_outputs_equal_the_decode_workers_own(trio):
     expected_remote = 2 * len(PROMPTS)
     if router.model == "smollm2-135m":  # the Gemma3 GGUF ships no chat template
         body = {"messages": [{"role": "user", "content": "Name a planet."}], "max_tokens": 12, "temperature": 0}
-        direct = requests.post(f"{decode.base_url}/v1/chat/completions", timeout=60, json=body).json()
-        routed = requests.post(f"{router.base_url}/v1/chat/completions", timeout=60, json=body).json()
+        direct = requests.post(f"{decode.base_url}/v1/chat/completions", timeout=60, json=body, headers=AUTH).json()
+        routed = requests.post(f"{router.base_url}/v1/chat/completions", timeout=60, json=body, headers=AUTH).json()
         assert routed["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
         expected_remote += 1
     assert decode.metric('baton_prefills_total{where="remote"') - before == expected_remote
@@ -106,11 +115,62 @@ def test_router_outputs_equal_the_decode_workers_own(trio):
 def test_refused_span_falls_back_to_a_local_prefill(trio):
     _, decode, _ = trio
     rejected = decode.metric("baton_kv_imports_rejected_total")
-    tid = requests.post(f"{decode.base_url}/v1/internal/kv", data=b"BATONKV1 not a span", timeout=10).json()
+    tid = requests.post(
+        f"{decode.base_url}/v1/internal/kv", data=b"BATONKV2 not a span", timeout=10, headers=AUTH
+    ).json()
     body = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0, "kv_transfer_id": tid["kv_transfer_id"]}
-    r = requests.post(f"{decode.base_url}/v1/completions", json=body, timeout=60)
+    r = requests.post(f"{decode.base_url}/v1/completions", json=body, timeout=60, headers=AUTH)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == _complete(decode.base_url, PROMPTS[1])
     assert decode.metric("baton_kv_imports_rejected_total") == rejected + 1
+
+
+def test_internal_routes_need_the_secret(trio):
+    prefill, decode, _ = trio
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        assert (
+            requests.post(f"{decode.base_url}/v1/internal/kv", data=b"x", timeout=10, headers=headers).status_code
+            == 401
+        )
+        r = requests.post(f"{prefill.base_url}/v1/internal/prefill", json={"prompt": "x"}, timeout=10, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    # each worker opens only the route its role needs
+    assert requests.post(f"{prefill.base_url}/v1/internal/kv", data=b"x", timeout=10, headers=AUTH).status_code == 404
+    r = requests.post(f"{decode.base_url}/v1/internal/prefill", json={"prompt": "x"}, timeout=10, headers=AUTH)
+    assert r.status_code == 404
+
+
+def test_a_forged_span_is_refused_before_any_write(trio):
+    """Right checksums, wrong HMAC: a client without the secret cannot import KV it made up."""
+    prefill, decode, router = trio
+    blob = requests.post(
+        f"{prefill.base_url}/v1/internal/prefill",
+        params={"format": "dense" if router.model == "gemma3-270m" else "grouped"},
+        json={"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0},
+        timeout=60,
+        headers=AUTH,
+    ).content
+    signed = blob[:-32]
+    assert blob[-32:] == hmac.new(KEY.encode(), signed, hashlib.sha256).digest()  # the real one is signed
+    forged = signed + hmac.new(b"not the secret", signed, hashlib.sha256).digest()
+    rejected = decode.metric("baton_kv_imports_rejected_total")
+    remote = decode.metric('baton_prefills_total{where="remote"')
+    tid = requests.post(f"{decode.base_url}/v1/internal/kv", data=forged, timeout=10, headers=AUTH).json()
+    body = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0, "kv_transfer_id": tid["kv_transfer_id"]}
+    r = requests.post(f"{decode.base_url}/v1/completions", json=body, timeout=60, headers=AUTH)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == _complete(decode.base_url, PROMPTS[1])
+    assert decode.metric("baton_kv_imports_rejected_total") == rejected + 1
+    assert decode.metric('baton_prefills_total{where="remote"') == remote
+    assert decode.metric("baton_kv_blocks_used") == 0
+
+
+def test_a_seeded_sampled_request_through_the_router_equals_the_lone_worker(trio):
+    _, decode, router = trio
+    sampling = {"temperature": 1.0, "seed": 2**63 + 12345, "ignore_eos": True}
+    before = decode.metric('baton_prefills_total{where="remote"')
+    routed = _complete(router.base_url, PROMPTS[1], max_tokens=24, **sampling)
+    assert decode.metric('baton_prefills_total{where="remote"') == before + 1  # it went through a handoff
+    assert routed == _complete(decode.base_url, PROMPTS[1], max_tokens=24, **sampling)
+    assert routed != _complete(decode.base_url, PROMPTS[1], max_tokens=24, **{**sampling, "seed": 1})
 
 
 def test_killing_the_prefill_worker_never_hangs_a_request(trio):

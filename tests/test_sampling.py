@@ -45,10 +45,39 @@ def test_seeded_draws_follow_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     req = _req(SamplingParams(temperature=1.0, seed=123))
     counts = [0, 0, 0]
-    for _ in range(3000):
-        counts[sample(probs.log()[None].clone(), [req]).token_ids[0]] += 1
+    for _ in range(3000):  # successive output positions of one seeded request: each its own noise
+        token = sample(probs.log()[None].clone(), [req]).token_ids[0]
+        counts[token] += 1
+        req.token_ids.append(token)
     for c, p in zip(counts, probs.tolist()):
         assert abs(c / 3000 - p) < 4 * math.sqrt(p * (1 - p) / 3000)
+
+
+def test_logit_bias_allowed_tokens_and_bad_words_by_hand():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.5, 0.0, 2.5]])
+    greedy = dict(temperature=0.0)
+    assert sample(logits.clone(), [_req(SamplingParams(**greedy, logit_bias={4: 3.5}))]).token_ids == [4]
+    assert sample(logits.clone(), [_req(SamplingParams(**greedy, logit_bias={0: -1.0}))]).token_ids == [5]
+    assert sample(logits.clone(), [_req(SamplingParams(**greedy, allowed_token_ids=[2, 3]))]).token_ids == [2]
+    req = _req(SamplingParams(**greedy), output=[1])
+    req.bad_words_token_ids = [[0], [1, 5], [2, 1]]  # 0 always; 5 right after 1; 1 right after 2
+    assert sample(logits.clone(), [req]).token_ids == [1]  # 0 banned, 5 banned after 1: next best is 1
+    req.token_ids.append(2)
+    assert sample(logits.clone(), [req]).token_ids == [5]  # after 2: 1 banned, 5 allowed again
+
+
+def test_seeded_noise_is_a_function_of_the_position_alone():
+    """Counter-based: drawing position 5 gives the same token whatever was drawn before it."""
+    logits = torch.randn(1, 50)
+    req = _req(SamplingParams(temperature=1.0, seed=2**64 - 1))
+    tokens = []
+    for _ in range(8):
+        tokens.append(sample(logits.clone(), [req]).token_ids[0])
+        req.token_ids.append(tokens[-1])
+    fresh = _req(SamplingParams(temperature=1.0, seed=2**64 - 1))
+    fresh.token_ids += [0] * 5  # five other tokens before: position 5 is next
+    assert sample(logits.clone(), [fresh]).token_ids[0] == tokens[5]
+    assert len(set(tokens)) > 1
 
 
 def test_same_seed_same_text_whatever_the_batch(smollm2):

@@ -15,8 +15,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from baton.engine.engine import LLMEngine, Prompt
-from baton.handoff.validate import InvalidKVImport
+from baton.engine.engine import LLMEngine, Prompt, StepFailed
+from baton.handoff.errors import InvalidKVImport
 from baton.outputs import RequestOutput
 from baton.sampling_params import SamplingParams
 
@@ -24,7 +24,11 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine loop is not running (shut down, or its thread died): nothing can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request's engine step raised; the engine goes on serving the others."""
 
 
 @dataclass
@@ -49,9 +53,14 @@ class AsyncEngine:
         self._started = threading.Event()
         self._stopping = threading.Event()
         self.running = False
+        self.dead = False  # the loop thread died of a bug: /health and every new request say 503
         self.remote_prefills = 0  # imported spans
         self.local_prefills = 0
         self.rejected_imports = 0
+        self.step_failures = 0
+        # requests handed to the loop thread and taken from the inbox: each counter has one writer thread
+        self._submitted = 0
+        self._taken = 0
         built: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._main, args=(make_engine, built), name="baton-engine", daemon=True)
         self._thread.start()
@@ -80,15 +89,20 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as it advances. Leaving early (client gone) aborts it.
         A `kv_span` that fails validation is counted and the prompt is prefilled here instead."""
-        if not self.running:
+        if not self.running or self.dead:
             raise EngineDeadError("the engine loop is not running")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._submitted += 1
         self._inbox.put(_Add(request_id, prompt, params, outputs, loop, accepted, kv_span, export_kv))
         self._wake.set()
-        await asyncio.wrap_future(accepted)  # raises the engine's ValueError for a bad request
         finished = False
+        try:
+            await asyncio.wrap_future(accepted)  # raises the engine's ValueError for a bad request
+        except asyncio.CancelledError:
+            self.abort(request_id)  # it may have been added just before the cancel
+            raise
         try:
             while True:
                 out = await outputs.get()
@@ -106,6 +120,10 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet running (read from the event loop thread: a close estimate)."""
+        return self._submitted - self._taken + len(self.engine.scheduler.waiting)
+
     # ---- the loop thread -------------------------------------------------------------------------
     def _drain_inbox(self, reject: bool = False) -> None:
         while True:
@@ -114,6 +132,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(item, _Add):
+                self._taken += 1
+                if not item.accepted.set_running_or_notify_cancel():
+                    continue  # its client left before the request was taken
                 if reject:
                     item.accepted.set_exception(EngineDeadError("the server is shutting down"))
                     continue
@@ -161,7 +182,16 @@ class AsyncEngine:
             return
         built.set_result(engine)
         self._started.wait()
-        self._run()
+        try:
+            self._run()
+        except BaseException as e:  # a bug in the loop itself: say so everywhere, never hang
+            logger.exception("the engine loop died")
+            self.dead = True
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"the engine loop died: {type(e).__name__}"))
+        finally:
+            self.running = False
+            self._fail_inbox()
 
     def _run(self) -> None:
         while not self._stopping.is_set():
@@ -172,16 +202,28 @@ class AsyncEngine:
                 continue
             try:
                 outs = self.engine.step()
-            except Exception as e:  # fail what was running, keep serving new requests
-                logger.exception("engine step failed")
-                for rid in list(self._streams):
-                    self.engine.abort_request(rid)
-                    self._deliver(rid, EngineDeadError(f"engine step failed: {e}"))
+            except StepFailed as e:  # only the requests of that step fail
+                self._fail(e.request_ids, e.__cause__ or e)
+                continue
+            except Exception as e:  # failed before a batch was known: fail what is running
+                self._fail(list(self._streams), e)
                 continue
             for out in outs:
                 self._deliver(out.request_id, out)
         for rid in list(self._streams):
             self.engine.abort_request(rid)
             self._deliver(rid, EngineDeadError("the server is shutting down"))
-        self.running = False
-        self._drain_inbox(reject=True)
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        logger.error("engine step failed for %d request(s)", len(request_ids), exc_info=error)
+        self.step_failures += 1
+        for rid in request_ids:
+            self.engine.abort_request(rid)
+            self._deliver(rid, RequestFailedError(f"engine step failed: {type(error).__name__}"))
+
+    def _fail_inbox(self) -> None:
+        """Answer whatever is still queued: the loop is gone."""
+        try:
+            self._drain_inbox(reject=True)
+        except Exception:  # the engine itself may be broken; the futures are what matter
+            logger.exception("draining the inbox failed")

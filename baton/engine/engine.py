@@ -6,18 +6,21 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 
 import torch
 
 from baton.config import EngineConfig
+from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.request import Request
 from baton.engine.runner import ModelRunner
 from baton.engine.sampler import sample, top_logprobs
 from baton.engine.scheduler import Scheduler, SchedulerOutput
 from baton.handoff import wire
+from baton.handoff.errors import InvalidKVImport
 from baton.handoff.span import model_fingerprint
 from baton.handoff.transfer import apply_import, export_span
-from baton.handoff.validate import InvalidKVImport, plan_import
+from baton.handoff.validate import plan_import
 from baton.kv.manager import KVManager
 from baton.kv.spec import KVSpec, size_kv_pools
 from baton.kv.storage import KVStorage
@@ -30,6 +33,15 @@ from baton.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict
+_PROCESS_KV_SECRET = os.urandom(32)
+
+
+class StepFailed(RuntimeError):
+    """An engine step raised; `request_ids` (already aborted) were the requests in it."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"engine step failed for requests {', '.join(request_ids)}")
+        self.request_ids = request_ids
 
 
 class LLMEngine:
@@ -58,7 +70,10 @@ class LLMEngine:
         self.kv = KVManager(self.kv_spec, num_blocks, cache.enable_prefix_caching)
         self.max_model_len = self._max_model_len()
         self.storage = KVStorage(self.kv_spec, num_blocks, kv_dtype, cache.kv_layout)
-        self.fingerprint = model_fingerprint(mc, loaded.source.header())
+        self.fingerprint = model_fingerprint(mc, loaded.source.header(), loaded.weights_content_sha256)
+        # spans are signed and checked with this key: without a configured secret, a random one
+        # per process, so only this process can import what it exported
+        self.kv_secret = config.kv_secret_bytes() or _PROCESS_KV_SECRET
         self.scheduler = Scheduler(sched, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.storage)
         self.eos_token_ids = set(mc.eos_token_ids) | self._generation_eos(loaded.path)
@@ -127,16 +142,7 @@ class LLMEngine:
         (InvalidKVImport), then the request decodes from its first token. `export_kv`
         ("grouped" / "dense"): prefill only, and put the encoded span in the output."""
         text, token_ids = self.tokenize(prompt)
-        vocab = self.model_config.vocab_size
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, which leaves no room to generate within "
-                f"max_model_len={self.max_model_len}"
-            )
+        bad_words = self.check_request(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -146,7 +152,7 @@ class LLMEngine:
             if export_kv not in (None, "grouped", "dense"):
                 raise ValueError(f"export_kv must be 'grouped' or 'dense', not {export_kv!r}")
         if kv_span is not None:
-            return self._add_imported(request_id, text, token_ids, params, kv_span)
+            return self._add_imported(request_id, text, token_ids, params, kv_span, bad_words)
         samples: list[Request] = []
         for i in range(params.n):
             req = Request(
@@ -160,16 +166,24 @@ class LLMEngine:
                 prompt=text,
             )
             req.export_kv = export_kv
+            req.bad_words_token_ids = bad_words
             samples.append(req)
             self.scheduler.add(req)
         self.requests[request_id] = samples
         return request_id
 
     def _add_imported(
-        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, blob: bytes
+        self,
+        request_id: str,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        blob: bytes,
+        bad_words: list[list[int]],
     ) -> str:
         plan = plan_import(
             blob,
+            secret=self.kv_secret,
             fingerprint=self.fingerprint,
             kv=self.kv,
             kv_dtype=self.storage.dtype,
@@ -177,6 +191,7 @@ class LLMEngine:
             expected_tokens=token_ids,
         )
         req = Request(f"{request_id}#0", token_ids, params, self.eos_token_ids, self.max_model_len, prompt=text)
+        req.bad_words_token_ids = bad_words
         apply_import(self.kv, self.storage, req.request_id, plan)
         req.num_computed_tokens = len(token_ids)
         # imported KV was computed elsewhere (maybe in another dtype): a salt keeps local requests
@@ -192,6 +207,36 @@ class LLMEngine:
         self.num_kv_imports += 1
         return request_id
 
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> list[list[int]]:
+        """Every check of a request against this model, before it may reach a step (ValueError);
+        returns its bad words as token ids. The server calls it too, before it answers."""
+        vocab = self.model_config.vocab_size
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        params.check_token_ids(vocab)
+        return self._bad_words_token_ids(params.bad_words)
+
+    def _bad_words_token_ids(self, words: list[str] | None) -> list[list[int]]:
+        """Each bad word as token ids, with and without a leading space (as vLLM bans them)."""
+        if not words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this model has none")
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
     def abort_request(self, request_id: str) -> None:
         for req in self.requests.pop(request_id, []):
             if not req.is_finished:
@@ -202,9 +247,21 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Advance every scheduled request by one forward pass. If the pass raises, the requests
+        of this step are aborted (their blocks freed) and StepFailed names them; the engine stays
+        usable for everything else."""
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return self._outputs(batch)
+        try:
+            return self._execute(batch)
+        except Exception as e:
+            failed = sorted({s.request.request_id.rpartition("#")[0] for s in batch.scheduled})
+            for rid in failed:
+                self.abort_request(rid)
+            raise StepFailed(failed) from e
+
+    def _execute(self, batch: SchedulerOutput) -> list[RequestOutput]:
         out = self.runner.execute(batch)
         for s in batch.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
@@ -230,7 +287,7 @@ class LLMEngine:
                         result.token_ids[i],
                         req.export_kv,
                     )
-                    req.kv_span = wire.encode(span)
+                    req.kv_span = wire.encode(span, self.kv_secret)
                 self._append_token(req, result.token_ids[i], result.logprobs[i], result.sampled_logprobs[i])
                 if req.export_kv is not None and not req.is_finished:
                     self.scheduler.finish(req, "length")  # a prefill-only request ends at its first token
@@ -269,13 +326,15 @@ class LLMEngine:
             req.logprobs.append(logprobs)
             req.cumulative_logprob += sampled_logprob
         p = req.params
+        detok = self._detokenizer(req)
         if token in req.stop_token_ids:  # the sampler masks them until min_tokens
             req.stop_reason = None if token in req.eos_token_ids else token
-            req.output_text = self._decode(req, req.output_token_ids[:-1])
+            req.output_text = detok.text + detok.pending  # the stop token's own text left out
             self.scheduler.finish(req, "stop")
             return
         previous = len(req.output_text)
-        req.output_text = self._decode(req, req.output_token_ids)
+        detok.append(token)
+        req.output_text = detok.text + detok.pending  # == decode(output_token_ids), as a stop string sees it
         if p.stop and req.num_output_tokens >= p.min_tokens:
             longest = max(len(s) for s in p.stop)
             start = max(0, previous - longest + 1)
@@ -290,10 +349,10 @@ class LLMEngine:
         if req.num_tokens >= req.max_len:
             self.scheduler.finish(req, "length")
 
-    def _decode(self, req: Request, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=req.params.skip_special_tokens)
+    def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
+        if req.detokenizer is None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
+        return req.detokenizer
 
     def _outputs(self, batch: SchedulerOutput) -> list[RequestOutput]:
         touched, self._touched = self._touched, set()

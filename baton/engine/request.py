@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from baton.outputs import PositionLogprobs
 from baton.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from baton.engine.detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -58,13 +62,12 @@ class Request:
         self.prompt_logits: list[torch.Tensor] | None = None  # kept only for LLMEngine.prompt_logits
         self.cumulative_logprob = 0.0
         self.output_text = ""
+        self.detokenizer: IncrementalDetokenizer | None = None  # the engine makes it at the first output token
         self.num_preemptions = 0
         self.export_kv: str | None = None  # "grouped" / "dense": export the prompt KV after prefill
         self.kv_span: bytes | None = None
         self.cache_salt = b""  # part of every block hash: requests with different salts never share blocks
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed + index)
+        self.bad_words_token_ids: list[list[int]] = []  # params.bad_words, tokenized by the engine
 
     @property
     def num_tokens(self) -> int:

@@ -1,6 +1,10 @@
-"""Logits to tokens: penalties, min_tokens, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+"""Logits to tokens: penalties, logit bias, allowed and bad words, min_tokens, temperature,
+top-k / top-p / min-p, seeded draws, logprobs.
 
 Every operation is row-wise, so a request's token never depends on the other rows of the batch.
+A seeded request's noise for output position i is drawn from a generator seeded with a hash of
+(seed, sample index, i) alone: the same seed gives the same tokens on any worker, after a PD
+handoff (the first token sampled elsewhere) and after preemption.
 """
 
 from __future__ import annotations
@@ -53,6 +57,39 @@ def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
+def _apply_token_constraints(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """logit_bias, allowed_token_ids and bad_words (ids already checked against the vocabulary)."""
+    for i, req in enumerate(reqs):
+        p = req.params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+        if p.allowed_token_ids is not None:
+            keep = torch.full_like(logits[i], float("-inf"))
+            ids = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+            keep[ids] = 0.0
+            logits[i] += keep
+        if req.bad_words_token_ids:
+            out = req.output_token_ids
+            banned = [w[-1] for w in req.bad_words_token_ids if len(w) == 1 or out[-(len(w) - 1) :] == w[:-1]]
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def noise_seed(seed: int, index: int, position: int) -> int:
+    """A 64-bit generator seed from (seed, sample index, output position): splitmix64 over each part."""
+    x = seed & _MASK64
+    for part in (index, position):
+        x = (x ^ part) + 0x9E3779B97F4A7C15 & _MASK64
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+        x ^= x >> 31
+    return x
+
+
 def _apply_filters(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Top-k, top-p and min-p, applied to already temperature-scaled logits."""
     sorted_logits, sorted_ids = logits.sort(dim=1, descending=True)
@@ -80,6 +117,8 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
     logits = logits.clone()
     if any(r.params.uses_penalties for r in reqs):
         _apply_penalties(logits, reqs)
+    if any(r.params.logit_bias or r.params.allowed_token_ids is not None or r.bad_words_token_ids for r in reqs):
+        _apply_token_constraints(logits, reqs)
     for i, req in enumerate(reqs):
         if req.num_output_tokens < req.params.min_tokens and req.stop_token_ids:
             logits[i, list(req.stop_token_ids)] = float("-inf")
@@ -97,7 +136,10 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
         # draws its own noise, so its tokens do not depend on the rest of the batch.
         noise = torch.empty_like(probs)
         for j, r in enumerate(sub):
-            noise[j].exponential_(generator=r.generator)
+            generator = None
+            if r.params.seed is not None:
+                generator = torch.Generator().manual_seed(noise_seed(r.params.seed, r.index, r.num_output_tokens))
+            noise[j].exponential_(generator=generator)
         chosen[idx] = (probs / noise).argmax(dim=1)
     sampled_lp = [0.0] * len(reqs)
     position_logprobs: list[PositionLogprobs | None] = [None] * len(reqs)

@@ -9,17 +9,23 @@ import logging
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from baton.handoff.transport import SPAN_MEDIA_TYPE
-from baton.server.protocol import error_body
+from baton.http import Guard, error_response, install_error_handlers, unless_hung_up
 
 logger = logging.getLogger(__name__)
 
 
 class Router:
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], span_format: str = "grouped") -> None:
+    def __init__(
+        self,
+        prefill_urls: list[str],
+        decode_urls: list[str],
+        span_format: str = "grouped",
+        kv_secret: str | None = None,
+    ) -> None:
         if not decode_urls:
             raise ValueError("the router needs at least one --decode worker")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
@@ -27,6 +33,7 @@ class Router:
         self._next_prefill = itertools.cycle(self.prefill_urls) if self.prefill_urls else None
         self._next_decode = itertools.cycle(self.decode_urls)
         self.span_format = span_format
+        self._internal_headers = {"Authorization": f"Bearer {kv_secret}"} if kv_secret else {}
         self.registry = CollectorRegistry()
         self.prefills = Counter(
             "baton_router_prefills", "Requests by where their prompt was prefilled", ["where"], registry=self.registry
@@ -53,7 +60,7 @@ class Router:
                 f"{prefill_url}/v1/internal/prefill",
                 params={"endpoint": endpoint, "format": self.span_format},
                 data=raw,
-                headers={"Content-Type": "application/json"},
+                headers={"Content-Type": "application/json", **self._internal_headers},
                 timeout=aiohttp.ClientTimeout(total=600),
             ) as r:
                 if r.status != 200:
@@ -64,11 +71,12 @@ class Router:
             async with self.session.post(
                 f"{decode_url}/v1/internal/kv",
                 data=blob,
-                headers={"Content-Type": SPAN_MEDIA_TYPE},
+                headers={"Content-Type": SPAN_MEDIA_TYPE, **self._internal_headers},
                 timeout=aiohttp.ClientTimeout(total=600),
             ) as r:
                 if r.status != 200:
                     self.handoff_failures.labels("transfer").inc()
+                    logger.warning("decode worker %s refused a span: %d", decode_url, r.status)
                     return None
                 return (await r.json())["kv_transfer_id"]
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as e:
@@ -82,10 +90,10 @@ class Router:
         raw = await request.body()
         try:
             body = json.loads(raw)
-        except json.JSONDecodeError as e:
-            return JSONResponse(error_body(f"malformed JSON: {e}", "invalid_request_error", 400), status_code=400)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            return error_response(400, f"malformed JSON: {type(e).__name__}")
         if not isinstance(body, dict):
-            return JSONResponse(error_body("the body must be a JSON object", "invalid_request_error", 400), 400)
+            return error_response(400, "the body must be a JSON object")
         decode_url = next(self._next_decode)
         one_prompt = (
             endpoint == "chat"
@@ -93,6 +101,7 @@ class Router:
             or (isinstance(body.get("prompt"), list) and all(isinstance(t, int) for t in body["prompt"]))
         )
         simple = one_prompt and body.get("n", 1) == 1 and not body.get("logprobs") and not body.get("echo")
+        body.pop("kv_transfer_id", None)  # a client never names a parked span: only this router does
         transfer_id = await self._handoff(endpoint, raw, decode_url) if simple else None
         self.prefills.labels("remote" if transfer_id else "local").inc()
         if transfer_id:
@@ -101,9 +110,8 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         try:
             upstream = await self.session.post(f"{decode_url}{path}", json=body, headers=headers)
-        except aiohttp.ClientError as e:
-            msg = f"decode worker unavailable: {type(e).__name__}"
-            return JSONResponse(error_body(msg, "server_error", 502), status_code=502)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return error_response(502, f"decode worker unavailable: {type(e).__name__}")
         if body.get("stream") and upstream.status == 200:
 
             async def relay():
@@ -111,15 +119,18 @@ class Router:
                     async for chunk in upstream.content.iter_any():
                         yield chunk
                 finally:
-                    upstream.release()
+                    upstream.close()  # a client gone mid-stream: the closed connection aborts it upstream
 
             return StreamingResponse(relay(), media_type="text/event-stream")
-        data = await upstream.read()
-        upstream.release()
+        try:
+            data = await upstream.read()
+        finally:
+            upstream.close()  # cancelled by a hang-up: closing tells the decode worker to abort
         return Response(data, status_code=upstream.status, media_type=upstream.headers.get("Content-Type"))
 
 
-def build_router_app(router: Router) -> FastAPI:
+def build_router_app(router: Router, api_key: str | None = None, max_request_bytes: int = 4 << 20) -> FastAPI:
+    """Clients' routes, behind the router's own key and body limit; every error in OpenAI's shape."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
@@ -130,19 +141,24 @@ def build_router_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="baton router", lifespan=lifespan)
     app.state.router = router
+    install_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await router.forward("completions", request)
+        return await unless_hung_up(request, router.forward("completions", request), streaming=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await router.forward("chat", request)
+        return await unless_hung_up(request, router.forward("chat", request), streaming=False)
 
     @app.get("/v1/models")
     async def models(request: Request):
-        async with router.session.get(f"{router.decode_urls[0]}/v1/models", headers=dict(request.headers)) as r:
-            return Response(await r.read(), status_code=r.status, media_type="application/json")
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        try:
+            async with router.session.get(f"{router.decode_urls[0]}/v1/models", headers=headers) as r:
+                return Response(await r.read(), status_code=r.status, media_type="application/json")
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return error_response(502, f"decode worker unavailable: {type(e).__name__}")
 
     @app.get("/health")
     async def health():
@@ -159,4 +175,5 @@ def build_router_app(router: Router) -> FastAPI:
     async def metrics():
         return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(Guard, max_bytes=max_request_bytes, api_key=api_key)
     return app

@@ -5,6 +5,13 @@ A span holds, per tensor, K or V for some model layers over a run of positions [
 groups the last `window` positions); *dense* spans one K and one V tensor over all layers and all
 positions, as a producer that knows nothing of groups would send. Axes are named by `layout`, a
 permutation of "LTHD" (layer, token position, KV head, head dim).
+
+A tensor may say, per layer, where its real K/V begin (`layer_starts`, one entry per entry of
+`layer_ids`, each >= `start`); positions before a layer's start are zeros and never read. A dense
+export needs it: a sliding layer no longer holds the positions that fell out of its window (after a
+prefix-cache hit or a chunked prefill), and an exporter sends only what it holds. The importer
+requires full layers to start at 0 and sliding layers at or before the first position the next
+query reads, and reads nothing earlier.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ class SpanTensor:
     layer_ids: tuple[int, ...]
     start: int  # first position held; the tensor holds positions [start, start + T)
     data: torch.Tensor  # axes in the span's layout
+    layer_starts: tuple[int, ...] | None = None  # per layer, first real position; None: all from `start`
 
 
 @dataclass
@@ -43,9 +51,14 @@ class KVSpan:
         return len(self.prompt_token_ids)
 
 
-def model_fingerprint(cfg: TextModelConfig, weights_header: dict[str, tuple[tuple[int, ...], str]]) -> dict:
-    """What two workers must agree on for one's KV to be valid in the other."""
-    weights = json.dumps(sorted((name, list(shape), kind) for name, (shape, kind) in weights_header.items()))
+def model_fingerprint(
+    cfg: TextModelConfig, weights_header: dict[str, tuple[tuple[int, ...], str]], weights_content_sha256: str
+) -> dict:
+    """What two workers must agree on for one's KV to be valid in the other: the architecture and
+    KV geometry, the weights' names, shapes and dtypes (`weights_layout_sha256`) and their bytes
+    (`weights_content_sha256`, from `loader.weights_content_sha256`), so two fine-tunes of one
+    architecture refuse each other's KV."""
+    layout = json.dumps(sorted((name, list(shape), kind) for name, (shape, kind) in weights_header.items()))
     return {
         "architecture": cfg.architecture,
         "num_layers": cfg.num_layers,
@@ -53,7 +66,8 @@ def model_fingerprint(cfg: TextModelConfig, weights_header: dict[str, tuple[tupl
         "num_kv_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
         "rope": {kind: vars(r) for kind, r in sorted(cfg.rope.items())},
-        "weights_sha256": hashlib.sha256(weights.encode()).hexdigest(),
+        "weights_layout_sha256": hashlib.sha256(layout.encode()).hexdigest(),
+        "weights_content_sha256": weights_content_sha256,
     }
 
 

@@ -7,14 +7,24 @@ import torch
 
 from baton.handoff.span import AXES, KVSpan, SpanTensor, to_layout
 from baton.handoff.validate import ImportPlan
-from baton.kv.manager import KVManager
+from baton.kv.manager import NULL_BLOCK, KVManager
 from baton.kv.storage import KVStorage
 
 
 def _slots(kv: KVManager, request_id: str, group_id: int, positions: np.ndarray) -> torch.Tensor:
     table = np.asarray(kv.block_tables[request_id][group_id], dtype=np.int64)
     bs = kv.block_size
-    return torch.from_numpy(table[positions // bs] * bs + positions % bs)
+    blocks = table[positions // bs]
+    if (blocks == NULL_BLOCK).any():  # a NULL entry would index the pool's last block: another request's KV
+        raise RuntimeError(f"positions of group {group_id} of request {request_id} are no longer held")
+    return torch.from_numpy(blocks * bs + positions % bs)
+
+
+def held_start(kv: KVManager, request_id: str, group_id: int) -> int:
+    """First position whose block the request still holds in this group (sliding groups drop
+    blocks that fell out of the window: after a prefix-cache hit, during a chunked prefill)."""
+    table = kv.block_tables[request_id][group_id]
+    return next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table)) * kv.block_size
 
 
 def export_span(
@@ -27,33 +37,37 @@ def export_span(
     fmt: str = "grouped",
 ) -> KVSpan:
     """Grouped: one K and V per group, sliding groups their last `window` positions.
-    Dense: one K and V over all layers and all positions (needs every position still held)."""
+    Dense: one K and V over all layers and positions; each layer's `layer_starts` entry says from
+    where it holds real K/V (full layers 0, sliding ones where their held blocks begin), and the
+    positions before are zeros: nothing is read that this worker no longer holds."""
+    if fmt not in ("grouped", "dense"):
+        raise ValueError(f"span format must be 'grouped' or 'dense', not {fmt!r}")
     n = len(prompt_token_ids)
     span = KVSpan(fingerprint, list(prompt_token_ids), first_token, storage.span_layout, str(storage.dtype)[6:])
-    per_group = []
-    for g in kv.spec.groups:
-        start = max(0, n - g.kind.window) if (g.kind.is_sliding and fmt == "grouped") else 0
-        slots = _slots(kv, request_id, g.group_id, np.arange(start, n))
-        k, v = storage.group_view(g.group_id)  # [layers, slots, heads, dim]
-        per_group.append((g, start, k[:, slots], v[:, slots]))
     if fmt == "grouped":
-        for g, start, k, v in per_group:
-            span.tensors.append(SpanTensor("k", g.layer_ids, start, to_layout(k, AXES, span.layout).contiguous()))
-            span.tensors.append(SpanTensor("v", g.layer_ids, start, to_layout(v, AXES, span.layout).contiguous()))
+        for g in kv.spec.groups:
+            start = max(0, n - g.kind.window) if g.kind.is_sliding else 0
+            slots = _slots(kv, request_id, g.group_id, np.arange(start, n))
+            for kind, data in zip("kv", storage.group_view(g.group_id)):  # [layers, slots, heads, dim]
+                held = to_layout(data[:, slots], AXES, span.layout).contiguous()
+                span.tensors.append(SpanTensor(kind, g.layer_ids, start, held))
         return span
-    if fmt != "dense":
-        raise ValueError(f"span format must be 'grouped' or 'dense', not {fmt!r}")
     num_layers = fingerprint["num_layers"]
+    layer_starts = [0] * num_layers
     dense = {}
-    for kind, i in (("k", 2), ("v", 3)):
-        parts: list[torch.Tensor | None] = [None] * num_layers
-        for entry in per_group:
-            for j, layer_id in enumerate(entry[0].layer_ids):
-                parts[layer_id] = entry[i][j]
-        dense[kind] = torch.stack(parts)
-        span.tensors.append(
-            SpanTensor(kind, tuple(range(num_layers)), 0, to_layout(dense[kind], AXES, span.layout).contiguous())
-        )
+    for kind in "kv":
+        first = storage.group_view(0)[0]
+        dense[kind] = torch.zeros((num_layers, n, *first.shape[2:]), dtype=storage.dtype)
+    for g in kv.spec.groups:
+        start = min(held_start(kv, request_id, g.group_id), n)
+        slots = _slots(kv, request_id, g.group_id, np.arange(start, n))
+        for kind, data in zip("kv", storage.group_view(g.group_id)):
+            dense[kind][list(g.layer_ids), start:] = data[:, slots]
+        for layer_id in g.layer_ids:
+            layer_starts[layer_id] = start
+    for kind in "kv":
+        data = to_layout(dense[kind], AXES, span.layout).contiguous()
+        span.tensors.append(SpanTensor(kind, tuple(range(num_layers)), 0, data, tuple(layer_starts)))
     return span
 
 

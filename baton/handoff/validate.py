@@ -1,28 +1,30 @@
 """Every check on an incoming span, all before anything is written (DESIGN.md, "Handoff").
 
-`plan_import` reads the bytes, checks them against the receiver and returns an ImportPlan whose
-tensors are already in the receiver's dtype and axis order; only `apply_import` then allocates
-blocks and writes. Any failure raises InvalidKVImport naming the field, the expected and the
-received value, and the receiver is exactly as before.
+`plan_import` checks the signature, reads the bytes, checks them against the receiver and returns an
+ImportPlan whose tensors are already in the receiver's dtype and axis order; only `apply_import`
+then allocates blocks and writes. Any failure raises InvalidKVImport naming the field, the expected
+and the received value, and the receiver is exactly as before. Invariant: on any bytes whatever,
+`plan_import` returns a plan or raises InvalidKVImport, nothing else: every value is type-checked
+(bools are not integers here) and range-checked before it is used.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from baton.handoff import wire
+from baton.handoff.errors import InvalidKVImport
 from baton.handoff.span import AXES, SPAN_DTYPES, to_layout
 from baton.kv.manager import KVManager
 from baton.kv.spec import KVGroup
 
-
-class InvalidKVImport(ValueError):
-    def __init__(self, field: str, expected: Any, received: Any) -> None:
-        self.field, self.expected, self.received = field, expected, received
-        super().__init__(f"invalid KV import: {field}: expected {expected}, received {received}")
+__all__ = ["GroupWrite", "ImportPlan", "InvalidKVImport", "plan_import"]  # InvalidKVImport: old import path
 
 
 @dataclass
@@ -41,42 +43,75 @@ class ImportPlan:
     writes: list[GroupWrite]
 
 
+@dataclass
+class _Source:
+    """One tensor entry of the header, checked against the body and the receiver."""
+
+    kind: str
+    layer_ids: tuple[int, ...]
+    start: int
+    layer_starts: list[int]
+    dtype: str
+    shape: list[int]
+    raw: memoryview
+
+    def first_real(self, layer_ids: tuple[int, ...]) -> int:
+        """First position from which all of `layer_ids` hold real K/V."""
+        return max(self.layer_starts[self.layer_ids.index(i)] for i in layer_ids)
+
+
 def _check(ok: bool, field: str, expected: Any, received: Any) -> None:
     if not ok:
         raise InvalidKVImport(field, expected, received)
 
 
-def _int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _int(x: Any, lo: int = 0, hi: int = 2**62) -> bool:
+    """An integer (never a bool) in [lo, hi]."""
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
 
 
-def _ints(x: Any) -> bool:
-    return isinstance(x, list) and all(_int(v) for v in x)
+def _ints(x: Any, lo: int = 0, hi: int = 2**62) -> bool:
+    return isinstance(x, list) and all(_int(v, lo, hi) for v in x)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON values equal in type as well as value: 1, 1.0 and true differ."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def check_fingerprint(theirs: Any, ours: dict) -> None:
+    _check(isinstance(theirs, dict), "fingerprint", "an object", type(theirs).__name__)
+    ours = json.loads(json.dumps(ours))  # as it travels: tuples become lists
+    layers = theirs.get("num_layers")
+    _check(_same(layers, ours["num_layers"]), "layer_count", ours["num_layers"], layers)
+    for key, value in ours.items():
+        _check(key in theirs, f"fingerprint.{key}", value, "no such key")
+        _check(_same(theirs[key], value), f"fingerprint.{key}", value, theirs[key])
+    extra = sorted(str(k) for k in theirs if k not in ours)
+    _check(not extra, f"fingerprint.{extra[0] if extra else ''}", "no such key", extra[:8])
 
 
 def check_header(header: dict, fingerprint: dict, vocab_size: int, expected_tokens: list[int] | None) -> None:
-    _check(header.get("version") == 1, "version", 1, header.get("version"))
-    theirs = header.get("fingerprint")
-    _check(isinstance(theirs, dict), "fingerprint", "an object", type(theirs).__name__)
-    _check(
-        theirs.get("num_layers") == fingerprint["num_layers"],
-        "layer_count",
-        fingerprint["num_layers"],
-        theirs.get("num_layers"),
-    )
-    for key, ours in fingerprint.items():
-        _check(theirs.get(key) == ours, f"fingerprint.{key}", ours, theirs.get(key))
+    _check(_same(header.get("version"), wire.VERSION), "version", wire.VERSION, header.get("version"))
+    check_fingerprint(header.get("fingerprint"), fingerprint)
     layout = header.get("layout")
     _check(isinstance(layout, str) and sorted(layout) == sorted(AXES), "layout", f"a permutation of {AXES}", layout)
     tokens = header.get("prompt_token_ids")
-    _check(
-        isinstance(tokens, list)
-        and len(tokens) > 0
-        and all(isinstance(t, int) and 0 <= t < vocab_size for t in tokens),
-        "prompt_token_ids",
-        f"a non-empty list of ids below {vocab_size}",
-        str(tokens)[:80],
-    )
+    _check(isinstance(tokens, list) and len(tokens) > 0, "prompt_token_ids", "a non-empty list", tokens)
+    if expected_tokens is not None:  # the cheap check first: a long list is not walked for nothing
+        _check(
+            len(tokens) == len(expected_tokens),
+            "prompt_token_ids",
+            f"the request's {len(expected_tokens)} tokens",
+            f"{len(tokens)} tokens",
+        )
+    _check(_ints(tokens, 0, vocab_size - 1), "prompt_token_ids", f"ids below {vocab_size}", tokens)
     if expected_tokens is not None and tokens != expected_tokens:
         pairs = zip(tokens, expected_tokens)
         at = next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(tokens), len(expected_tokens)))
@@ -86,13 +121,51 @@ def check_header(header: dict, fingerprint: dict, vocab_size: int, expected_toke
             f"{len(tokens)} tokens, differing from position {at}",
         )
     first = header.get("first_token")
-    _check(_int(first) and 0 <= first < vocab_size, "first_token", f"an id below {vocab_size}", first)
+    _check(_int(first, 0, vocab_size - 1), "first_token", f"an id below {vocab_size}", first)
+    dtype = header.get("dtype")
+    _check(isinstance(dtype, str) and dtype in SPAN_DTYPES, "dtype", f"one of {sorted(SPAN_DTYPES)}", dtype)
+    tensors = header.get("tensors")
+    _check(isinstance(tensors, list) and tensors, "tensors", "a non-empty list", tensors)
+
+
+def check_tensor(
+    i: int, e: Any, n: int, layout: str, layer_sets: set[tuple[int, ...]], geometry: dict, body: memoryview
+) -> _Source:
+    f = f"tensors[{i}]"
+    _check(isinstance(e, dict), f, "an object", type(e).__name__)
+    kind, layers = e.get("kind"), e.get("layer_ids")
+    _check(isinstance(kind, str) and kind in ("k", "v"), f"{f}.kind", "'k' or 'v'", kind)
+    layers = tuple(layers) if _ints(layers) else None
     _check(
-        isinstance(header.get("tensors"), list) and header["tensors"],
-        "tensors",
-        "a non-empty list",
-        header.get("tensors"),
+        layers in layer_sets,
+        "layer_to_group",
+        f"one of the receiver's groups or all layers: {sorted(layer_sets)}",
+        e.get("layer_ids"),
     )
+    dtype = e.get("dtype")
+    _check(isinstance(dtype, str) and dtype in SPAN_DTYPES, "dtype", f"one of {sorted(SPAN_DTYPES)}", dtype)
+    start = e.get("start")
+    _check(_int(start, 0, n - 1), "positions", f"a start in [0, {n})", start)
+    starts = e.get("layer_starts", [start] * len(layers))
+    _check(
+        _ints(starts, start, n) and len(starts) == len(layers),
+        f"{f}.layer_starts",
+        f"{len(layers)} positions in [{start}, {n}]",
+        starts,
+    )
+    want = {"L": len(layers), "T": n - start, **geometry}
+    expected_shape = [want[a] for a in layout]
+    shape = e.get("shape")
+    _check(_ints(shape) and shape == expected_shape, "shape", expected_shape, shape)
+    size = math.prod(expected_shape) * SPAN_DTYPES[dtype].itemsize
+    nbytes, offset = e.get("nbytes"), e.get("offset")
+    _check(_int(nbytes) and nbytes == size, "nbytes", f"{size} ({dtype} x {expected_shape})", nbytes)
+    _check(_int(offset), f"{f}.offset", "a byte offset >= 0", offset)
+    _check(offset + nbytes <= len(body), "body_length", f">= {offset + nbytes} bytes", len(body))
+    raw = body[offset : offset + nbytes]
+    digest = e.get("xxh64")
+    _check(isinstance(digest, str) and wire.checksum(raw) == digest, "checksum", digest, wire.checksum(raw))
+    return _Source(kind, layers, start, starts, dtype, shape, raw)
 
 
 def _need_start(group: KVGroup, n: int) -> int:
@@ -103,51 +176,27 @@ def _need_start(group: KVGroup, n: int) -> int:
 def plan_import(
     blob: bytes,
     *,
+    secret: bytes,
     fingerprint: dict,
     kv: KVManager,
     kv_dtype: torch.dtype,
     vocab_size: int,
     expected_tokens: list[int] | None,
 ) -> ImportPlan:
-    from baton.handoff.wire import checksum, read_header, tensor_from_bytes
-
-    header, body = read_header(blob)
+    header, body = wire.read_header(blob, secret)
     check_header(header, fingerprint, vocab_size, expected_tokens)
     spec = kv.spec
     n = len(header["prompt_token_ids"])
     layout = header["layout"]
     all_layers = tuple(range(fingerprint["num_layers"]))
-    group_layers = {g.layer_ids for g in spec.groups}
+    layer_sets = {g.layer_ids for g in spec.groups} | {all_layers}
     geometry = {"H": spec.groups[0].num_kv_heads, "D": spec.groups[0].head_dim}
-    sources: dict[tuple[str, tuple[int, ...]], tuple[dict, memoryview]] = {}
+    sources: dict[tuple[str, tuple[int, ...]], _Source] = {}
     for i, e in enumerate(header["tensors"]):
-        f = f"tensors[{i}]"
-        _check(isinstance(e, dict), f, "an object", type(e).__name__)
-        kind, layers = e.get("kind"), e.get("layer_ids")
-        _check(isinstance(kind, str) and kind in ("k", "v"), f"{f}.kind", "'k' or 'v'", kind)
-        layers = tuple(layers) if _ints(layers) else None
-        _check(
-            layers in group_layers or layers == all_layers,
-            "layer_to_group",
-            f"one of the receiver's groups {sorted(group_layers)} or all {len(all_layers)} layers",
-            layers,
-        )
-        _check((kind, layers) not in sources, f"{f}.layer_ids", "each layer once per kind", f"{kind} {layers} twice")
-        dtype = e.get("dtype")
-        _check(isinstance(dtype, str) and dtype in SPAN_DTYPES, "dtype", f"one of {sorted(SPAN_DTYPES)}", dtype)
-        start = e.get("start")
-        _check(_int(start) and 0 <= start < n, "positions", f"a start in [0, {n})", start)
-        want = {"L": len(layers), "T": n - start, **geometry}
-        expected_shape = [want[a] for a in layout]
-        _check(e.get("shape") == expected_shape, "shape", expected_shape, e.get("shape"))
-        nbytes, offset = e.get("nbytes"), e.get("offset")
-        size = int(np.prod(expected_shape)) * SPAN_DTYPES[e["dtype"]].itemsize
-        _check(_int(nbytes) and nbytes == size, "nbytes", f"{size} ({e['dtype']} x {expected_shape})", nbytes)
-        _check(_int(offset) and offset >= 0, f"{f}.offset", "a byte offset >= 0", offset)
-        _check(offset + nbytes <= len(body), "body_length", f">= {offset + nbytes} bytes", len(body))
-        raw = body[offset : offset + nbytes]
-        _check(checksum(raw) == e.get("xxh64"), "checksum", e.get("xxh64"), checksum(raw))
-        sources[(kind, layers)] = (e, raw)
+        src = check_tensor(i, e, n, layout, layer_sets, geometry, body)
+        key = (src.kind, src.layer_ids)
+        _check(key not in sources, f"tensors[{i}].layer_ids", "each layer once per kind", f"{key[0]} {key[1]} twice")
+        sources[key] = src
     plans = []
     for g in spec.groups:
         need = _need_start(g, n)
@@ -155,38 +204,24 @@ def plan_import(
         for kind in ("k", "v"):
             src = sources.get((kind, g.layer_ids)) or sources.get((kind, all_layers))
             _check(src is not None, "layer_to_group", f"{kind} for layers {g.layer_ids}", "no tensor holding them")
-            e = src[0]
+            first = src.first_real(g.layer_ids)
             if not g.kind.is_sliding:
-                _check(
-                    e["start"] == 0,
-                    "positions",
-                    f"full-attention layers {g.layer_ids} from position 0",
-                    f"from position {e['start']}",
-                )
-            _check(
-                e["start"] <= need,
-                "sliding_coverage",
-                f"positions from {need} (window {g.kind.window})",
-                f"from {e['start']}",
-            )
+                _check(first == 0, "positions", f"full-attention layers {g.layer_ids} from position 0", first)
+            _check(first <= need, "sliding_coverage", f"positions from {need} (window {g.kind.window})", first)
             picked[kind] = src
         plans.append((g, need, picked))
     needed = kv.blocks_for_import(n)
     for g, blocks in zip(spec.groups, needed):
-        _check(
-            blocks <= kv.num_free_blocks(g.group_id),
-            "free_blocks",
-            f">= {blocks} free in group {g.group_id}",
-            kv.num_free_blocks(g.group_id),
-        )
+        free = kv.num_free_blocks(g.group_id)
+        _check(blocks <= free, "free_blocks", f">= {blocks} free in group {g.group_id}", free)
     writes = []
     for g, need, picked in plans:
         out = {}
-        for kind, (e, raw) in picked.items():
-            t = to_layout(tensor_from_bytes(raw, SPAN_DTYPES[e["dtype"]], e["shape"]), layout, AXES)
-            if len(e["layer_ids"]) != len(g.layer_ids):  # dense: pick this group's layers
+        for kind, src in picked.items():
+            t = to_layout(wire.tensor_from_bytes(src.raw, SPAN_DTYPES[src.dtype], src.shape), layout, AXES)
+            if src.layer_ids != g.layer_ids:  # dense: pick this group's layers
                 t = t[list(g.layer_ids)]
-            out[kind] = t[:, need - e["start"] :].to(kv_dtype).contiguous()
+            out[kind] = t[:, need - src.start :].to(kv_dtype).contiguous()  # only real positions
         writes.append(GroupWrite(g.group_id, np.arange(need, n), out["k"], out["v"]))
-    dtypes = sorted({e["dtype"] for e in header["tensors"]})
+    dtypes = sorted({s.dtype for s in sources.values()})
     return ImportPlan(list(header["prompt_token_ids"]), header["first_token"], "+".join(dtypes), writes)

@@ -1,14 +1,20 @@
-"""KVSpan <-> bytes: a magic, a JSON header, then each tensor's raw little-endian bytes. No pickle.
+"""KVSpan <-> bytes: a magic, a JSON header, each tensor's raw little-endian bytes, a signature. No pickle.
 
-    b"BATONKV1" | u32 LE header length | header (UTF-8 JSON) | u64 LE xxh64 of the header | tensors
+    b"BATONKV2" | u32 LE header length | header (UTF-8 JSON) | u64 LE xxh64 of the header | tensors
+        | HMAC-SHA256(secret, every byte before it) (32 bytes)
 
 The header lists each tensor's kind, layers, start position, shape, dtype, byte offset and length
-in the body, and an xxh64 checksum of its bytes; the header has its own checksum. Reading checks
-only the framing; everything about the model is `validate.py`'s job.
+in the body, and an xxh64 checksum of its bytes; the header has its own checksum. Checksums catch
+corruption, the HMAC forgery: spans travel only between workers sharing a secret, and
+`read_header` checks the signature before it parses anything, so bytes from whoever lacks the
+secret never reach the JSON parser. Past the signature it checks only the framing and that the
+header is a small, shallow JSON object; everything about the model is `validate.py`'s job.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import struct
 
@@ -16,11 +22,19 @@ import numpy as np
 import torch
 import xxhash
 
+from baton.handoff.errors import InvalidKVImport
 from baton.handoff.span import KVSpan, SpanTensor
-from baton.handoff.validate import InvalidKVImport
 
-MAGIC = b"BATONKV1"
-VERSION = 1
+MAGIC = b"BATONKV2"
+VERSION = 2
+HMAC_BYTES = 32
+MIN_SPAN_BYTES = len(MAGIC) + 4 + 8 + HMAC_BYTES
+# a legitimate header is ~7 bytes per prompt token: 16 MiB is prompts of two million tokens
+MAX_HEADER_BYTES = 16 << 20
+MAX_JSON_DEPTH = 8  # a real header nests 4 deep (header > fingerprint > rope > kind)
+MAX_JSON_CONTAINERS = 4096  # a real one has ~2 per model layer and ~4 per tensor
+_MAX_INT_DIGITS = 19  # every integer fits in an int64
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 _NUMPY_VIEW = {torch.float32: np.float32, torch.bfloat16: np.uint16, torch.float16: np.float16}
 
 
@@ -34,22 +48,23 @@ def checksum(data: bytes | memoryview) -> str:
     return xxhash.xxh64(data).hexdigest()
 
 
-def encode(span: KVSpan) -> bytes:
+def encode(span: KVSpan, secret: bytes) -> bytes:
     body, entries, offset = [], [], 0
     for t in span.tensors:
         raw = tensor_bytes(t.data)
-        entries.append(
-            {
-                "kind": t.kind,
-                "layer_ids": list(t.layer_ids),
-                "start": t.start,
-                "shape": list(t.data.shape),
-                "dtype": str(t.data.dtype).removeprefix("torch."),
-                "offset": offset,
-                "nbytes": len(raw),
-                "xxh64": checksum(raw),
-            }
-        )
+        entry = {
+            "kind": t.kind,
+            "layer_ids": list(t.layer_ids),
+            "start": t.start,
+            "shape": list(t.data.shape),
+            "dtype": str(t.data.dtype).removeprefix("torch."),
+            "offset": offset,
+            "nbytes": len(raw),
+            "xxh64": checksum(raw),
+        }
+        if t.layer_starts is not None:
+            entry["layer_starts"] = list(t.layer_starts)
+        entries.append(entry)
         body.append(raw)
         offset += len(raw)
     header = {
@@ -61,33 +76,93 @@ def encode(span: KVSpan) -> bytes:
         "dtype": span.dtype,
         "tensors": entries,
     }
-    return frame(header, b"".join(body))
+    return frame(header, b"".join(body), secret)
 
 
-def frame(header: dict, body: bytes) -> bytes:
+def frame(header: dict, body: bytes, secret: bytes) -> bytes:
+    """Frame and sign a header and body (tests use it to re-sign what they edited)."""
     head = json.dumps(header, separators=(",", ":")).encode()
-    return MAGIC + struct.pack("<I", len(head)) + head + struct.pack("<Q", xxhash.xxh64_intdigest(head)) + body
+    signed = b"".join(
+        (MAGIC, struct.pack("<I", len(head)), head, struct.pack("<Q", xxhash.xxh64_intdigest(head)), body)
+    )
+    return signed + sign(signed, secret)
 
 
-def read_header(blob: bytes) -> tuple[dict, memoryview]:
-    """The header and the body after it; InvalidKVImport if the framing itself is broken."""
-    if len(blob) < len(MAGIC) + 4 or blob[: len(MAGIC)] != MAGIC:
-        raise InvalidKVImport("magic", MAGIC.decode(), repr(bytes(blob[: len(MAGIC)])))
-    (n,) = struct.unpack_from("<I", blob, len(MAGIC))
+def sign(data: bytes | memoryview, secret: bytes) -> bytes:
+    if not isinstance(secret, bytes) or not secret:
+        raise ValueError("a KV span secret is a non-empty bytes value")
+    return hmac.new(secret, data, hashlib.sha256).digest()
+
+
+def read_header(blob: bytes, secret: bytes) -> tuple[dict, memoryview]:
+    """The header and the body after it, once the signature is checked; InvalidKVImport if the
+    signature, the framing or the header's JSON is wrong."""
+    try:
+        view = memoryview(blob).cast("B")
+    except (TypeError, ValueError):  # not bytes, or a view that is not contiguous bytes
+        raise InvalidKVImport("span", "bytes", type(blob).__name__) from None
+    if len(view) < len(MAGIC) or view[: len(MAGIC)] != MAGIC:
+        raise InvalidKVImport("magic", MAGIC.decode(), repr(bytes(view[: len(MAGIC)])))
+    if len(view) < MIN_SPAN_BYTES:
+        raise InvalidKVImport("length", f">= {MIN_SPAN_BYTES} bytes", len(view))
+    signed, signature = view[:-HMAC_BYTES], view[-HMAC_BYTES:]
+    if not hmac.compare_digest(sign(signed, secret), signature):
+        raise InvalidKVImport(
+            "hmac", "a span signed with this deployment's kv secret", "a signature that does not match"
+        )
+    (n,) = struct.unpack_from("<I", signed, len(MAGIC))
     start = len(MAGIC) + 4
-    if start + n + 8 > len(blob):
-        raise InvalidKVImport("header_length", f"<= {len(blob) - start - 8}", n)
-    head = bytes(blob[start : start + n])
-    (digest,) = struct.unpack_from("<Q", blob, start + n)
+    if n > min(MAX_HEADER_BYTES, len(signed) - start - 8):
+        raise InvalidKVImport("header_length", f"<= {min(MAX_HEADER_BYTES, len(signed) - start - 8)}", n)
+    head = bytes(signed[start : start + n])
+    (digest,) = struct.unpack_from("<Q", signed, start + n)
     if digest != xxhash.xxh64_intdigest(head):
         raise InvalidKVImport("header_checksum", f"{xxhash.xxh64_intdigest(head):016x}", f"{digest:016x}")
+    return parse_header(head), signed[start + n + 8 :]
+
+
+def parse_header(head: bytes) -> dict:
+    """JSON of bounded shape: at most MAX_JSON_CONTAINERS arrays and objects nested at most
+    MAX_JSON_DEPTH deep (checked on the brackets before parsing, and again after), integers of at
+    most 19 digits, no NaN or Infinity."""
+    brackets = head.translate(None, _NOT_BRACKETS)  # brackets inside strings count too: conservative
+    if len(brackets) > 2 * MAX_JSON_CONTAINERS:
+        raise InvalidKVImport("header", f"at most {MAX_JSON_CONTAINERS} JSON arrays and objects", len(brackets) // 2)
+    depth = deepest = 0
+    for b in brackets:
+        depth += 1 if b in b"[{" else -1
+        deepest = max(deepest, depth)
+    if deepest > MAX_JSON_DEPTH:
+        raise InvalidKVImport("header", f"JSON nested at most {MAX_JSON_DEPTH} deep", deepest)
     try:
-        header = json.loads(head)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidKVImport("header", "valid JSON", str(e)) from None
+        header = json.loads(head.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InvalidKVImport("header", "valid JSON", str(e)[:200]) from None
     if not isinstance(header, dict):
         raise InvalidKVImport("header", "a JSON object", type(header).__name__)
-    return header, memoryview(blob)[start + n + 8 :]
+    if _depth(header) > MAX_JSON_DEPTH:  # brackets inside strings can hide nesting from the scan above
+        raise InvalidKVImport("header", f"JSON nested at most {MAX_JSON_DEPTH} deep", f"> {MAX_JSON_DEPTH}")
+    return header
+
+
+def _depth(value: object) -> int:
+    """Nesting depth of parsed JSON, without recursion (at most MAX_JSON_CONTAINERS containers)."""
+    deepest, todo = 0, [(value, 1)] if isinstance(value, (dict, list)) else []
+    while todo:
+        v, d = todo.pop()
+        deepest = max(deepest, d)
+        todo.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list)))
+    return deepest
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number a span may carry")
 
 
 def tensor_from_bytes(raw: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
@@ -97,6 +172,7 @@ def tensor_from_bytes(raw: memoryview, dtype: torch.dtype, shape: list[int]) -> 
 
 
 def build_span(header: dict, tensors: list[torch.Tensor]) -> KVSpan:
+    """A KVSpan from a header `validate.plan_import` has accepted and its decoded tensors."""
     return KVSpan(
         fingerprint=header["fingerprint"],
         prompt_token_ids=list(header["prompt_token_ids"]),
@@ -104,6 +180,7 @@ def build_span(header: dict, tensors: list[torch.Tensor]) -> KVSpan:
         layout=header["layout"],
         dtype=header["dtype"],
         tensors=[
-            SpanTensor(e["kind"], tuple(e["layer_ids"]), int(e["start"]), t) for e, t in zip(header["tensors"], tensors)
+            SpanTensor(e["kind"], tuple(e["layer_ids"]), int(e["start"]), t, e.get("layer_starts"))
+            for e, t in zip(header["tensors"], tensors)
         ],
     )

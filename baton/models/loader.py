@@ -6,10 +6,14 @@ import hashlib
 import importlib.util
 import json
 import logging
-from collections.abc import Iterator
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -94,6 +98,81 @@ class HFDirectory:
                 for name in st.keys():
                     yield name, st.get_tensor(name)
 
+    def weights_content_sha256(self, cache_dir: Path | None) -> str:
+        """`safetensors_content_sha256` of the files, kept under cache_dir/fingerprints by path, size and mtime."""
+        stats = []
+        for f in self.files:
+            st = f.stat()
+            stats.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+        if cache_dir is None:
+            return safetensors_content_sha256(self.files)
+        key = hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
+        cached = cache_dir / "fingerprints" / f"{self.path.name}-{key}.json"
+        digest = _read_json(cached).get("weights_content_sha256")
+        if not isinstance(digest, str):
+            digest = safetensors_content_sha256(self.files)
+            record = {"files": stats, "weights_content_sha256": digest}
+            write_atomically(cached, lambda tmp: tmp.write_text(json.dumps(record)))
+        return digest
+
+
+def safetensors_content_sha256(files: list[Path]) -> str:
+    """sha256 over every tensor of the files in name order: its name, dtype and shape, then its bytes
+    (read from the files as stored, without building tensors)."""
+    entries = []
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            for name, info in json.loads(fh.read(n)).items():
+                if name != "__metadata__":
+                    begin, end = info["data_offsets"]
+                    entries.append((name, info["dtype"], info["shape"], f, 8 + n + begin, end - begin))
+    digest = hashlib.sha256()
+    for name, dtype, shape, f, offset, size in sorted(entries, key=lambda e: e[0]):
+        digest.update(json.dumps([name, dtype, shape]).encode())
+        with open(f, "rb") as fh:
+            fh.seek(offset)
+            while size > 0:
+                chunk = fh.read(min(size, 64 << 20))
+                if not chunk:
+                    raise ValueError(f"{f}: tensor {name} runs past the end of the file")
+                digest.update(chunk)
+                size -= len(chunk)
+    return digest.hexdigest()
+
+
+def gguf_content_sha256(gguf: GGUFFile) -> str:
+    """sha256 over every tensor of a GGUF file in name order: name, stored type and shape, then its
+    bytes as stored (quantized)."""
+    digest = hashlib.sha256()
+    for t in sorted(gguf.reader.tensors, key=lambda t: t.name):
+        digest.update(json.dumps([t.name, t.tensor_type.name, [int(d) for d in t.shape]]).encode())
+        digest.update(np.ascontiguousarray(t.data).view(np.uint8).data)
+    return digest.hexdigest()
+
+
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """`write` a unique temporary file beside `path`, then rename it over `path`: a reader sees the
+    old file or the whole new one, and two processes filling a cold cache never collide."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_json(path: Path) -> dict:
+    """A cache file's JSON object, or {} when it is missing or unreadable."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
 
 @dataclass
 class LoadedModel:
@@ -101,6 +180,7 @@ class LoadedModel:
     config: TextModelConfig
     path: Path
     source: HFDirectory | GGUFFile | DequantizedCache
+    weights_content_sha256: str  # of the checkpoint's tensors as stored, for the KV span fingerprint
 
 
 def check_weights(
@@ -132,7 +212,8 @@ class DequantizedCache:
     """A GGUF file's config, header and dequantized tensors (HF names), kept after the first load.
 
     Parsing a GGUF with a 262k-token vocabulary takes ~15 s in the gguf package and dequantizing
-    more; reading the cached float32 safetensors file takes about one.
+    more; reading the cached float32 safetensors file takes about one. The meta file also keeps the
+    GGUF tensors' `gguf_content_sha256`, hashed once on the cold load.
     """
 
     def __init__(self, path: Path, cache_dir: Path) -> None:
@@ -142,14 +223,19 @@ class DequantizedCache:
         self.file = cache_dir / "weights" / f"{path.stem}-{key}.safetensors"
         self.meta_file = self.file.with_suffix(".json")
         self.gguf: GGUFFile | None = None
-        if self.file.exists() and self.meta_file.exists():
-            meta = json.loads(self.meta_file.read_text())
+        meta = _read_json(self.meta_file)
+        if self.file.exists() and {"architecture", "config", "header"} <= meta.keys():
             self.architecture, self.config = meta["architecture"], meta["config"]
             self._header = {k: (tuple(v[0]), v[1]) for k, v in meta["header"].items()}
+            if not isinstance(meta.get("weights_content_sha256"), str):  # cached before weights were hashed
+                meta["weights_content_sha256"] = gguf_content_sha256(GGUFFile(path))
+                write_atomically(self.meta_file, lambda tmp: tmp.write_text(json.dumps(meta)))
+            self.weights_content_sha256: str = meta["weights_content_sha256"]
         else:
             self.gguf = GGUFFile(path)
             self.architecture, self.config = self.gguf.architecture, self.gguf.config
             self._header = self.gguf.header()
+            self.weights_content_sha256 = gguf_content_sha256(self.gguf)
 
     def header(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return self._header
@@ -164,11 +250,14 @@ class DequantizedCache:
         for name, tensor in self.gguf.tensors():
             kept[name] = tensor
             yield name, tensor
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        save_file(kept, str(self.file.with_suffix(".tmp")))
-        self.file.with_suffix(".tmp").replace(self.file)
-        meta = {"architecture": self.architecture, "config": self.config, "header": self._header}
-        self.meta_file.write_text(json.dumps(meta))
+        write_atomically(self.file, lambda tmp: save_file(kept, str(tmp)))
+        meta = {
+            "architecture": self.architecture,
+            "config": self.config,
+            "header": self._header,
+            "weights_content_sha256": self.weights_content_sha256,
+        }
+        write_atomically(self.meta_file, lambda tmp: tmp.write_text(json.dumps(meta)))
 
 
 def load_model(model: str, dtype: torch.dtype, cache_dir: Path | None = None, progress: bool = True) -> LoadedModel:
@@ -201,4 +290,13 @@ def load_model(model: str, dtype: torch.dtype, cache_dir: Path | None = None, pr
         if name in expected:
             net.load_weight(name, tensor)
     net.eval()
-    return LoadedModel(net, cfg, path, source)
+    return LoadedModel(net, cfg, path, source, weights_content_sha256(source, cache_dir))
+
+
+def weights_content_sha256(source: HFDirectory | GGUFFile | DequantizedCache, cache_dir: Path | None) -> str:
+    """The checkpoint's tensors hashed as stored; computed once per file and kept in the cache."""
+    if isinstance(source, DequantizedCache):
+        return source.weights_content_sha256
+    if isinstance(source, GGUFFile):
+        return gguf_content_sha256(source)
+    return source.weights_content_sha256(cache_dir)

@@ -1,24 +1,39 @@
-"""Baton's compiled CPU ops, built once per machine by torch's extension builder (the system's g++;
+"""Baton's compiled CPU ops, built once per machine by torch's extension builder (the system's c++;
 ninja from PATH or the `ninja` wheel) and cached under ~/.cache/baton/ops: a later import loads
-the cached library in well under a second."""
+the cached library in well under a second, without running ninja.
+
+A cache directory is named by everything the library depends on: the sources, torch, Python, the
+compiler, and the CPU's instruction set (the library is built with -march=native, so a cache copied
+to a CPU without those instructions must rebuild, not die of SIGILL). A build runs in a private
+temporary directory renamed into place once complete, so a cache directory holds a whole library or
+does not exist, and processes building at once never see each other's half-built files."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
+import platform
+import secrets
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+NAME = "baton_ops"
+LIB = f"{NAME}.so"
 SOURCES = [
     Path(__file__).with_name(f)
     for f in ("bindings.cpp", "paged_attention.cpp", "linear.cpp", "pointwise.cpp", "decode.cpp")
 ]
 # -march=native: the library is built on the machine that runs it (AVX-512 where the CPU has it)
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fopenmp-simd")
+LDFLAGS = ("-fopenmp",)
 
 
 class OpsBuildError(RuntimeError):
@@ -27,29 +42,116 @@ class OpsBuildError(RuntimeError):
 
 @functools.cache
 def ops() -> ModuleType:
+    """The compiled ops: loaded from this machine's cache directory, built there first if it has none."""
+    final = build_dir()
+    if (final / LIB).is_file():
+        try:
+            return _load(final / LIB)
+        except (ImportError, OSError):  # a damaged copy: build afresh in its place
+            _remove(final)
+    return _build(final)
+
+
+def build_dir() -> Path:
+    """This machine's cache directory of the ops."""
+    root = Path(os.path.expanduser("~/.cache/baton/ops"))
+    return root / cache_key(_cpu_flags(), _compiler_version(), platform.machine())
+
+
+def cache_key(cpu_flags: str, compiler: str, machine: str) -> str:
+    """The cache directory's name for these sources built by `compiler` (its --version) for a CPU
+    of architecture `machine` with instruction-set `cpu_flags` (/proc/cpuinfo's flags)."""
+    h = hashlib.sha256()
+    flags = " ".join(sorted(cpu_flags.split()))
+    for part in (torch.__version__, sys.implementation.cache_tag, machine, compiler, flags, *CFLAGS, *LDFLAGS):
+        h.update(part.encode() + b"\0")
+    for p in sorted(Path(__file__).parent.glob("*.[ch]*")):  # headers too, which torch's builder does not hash
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return f"torch-{torch.__version__}-{h.hexdigest()[:16]}"
+
+
+def _cpu_flags() -> str:
+    """The CPU's instruction-set flags: the `flags` line of /proc/cpuinfo (`Features` on ARM)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler_version() -> str:
+    """`--version` of the compiler torch's builder runs ($CXX, else c++); empty where there is none."""
+    try:
+        cxx = shlex.split(os.environ.get("CXX", "c++"))
+        return subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return ""
+
+
+def _load(lib: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(NAME, lib)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{lib} is not a loadable extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(final: Path) -> ModuleType:
+    """Builds into a temporary directory beside `final` and renames it into place; where another
+    process's build got there first, this one is dropped (its module stays loaded)."""
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH: use the pip wheel's
         import ninja
 
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-    # one build per source state (headers included, which torch's builder does not hash)
-    digest = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.[ch]*")))).hexdigest()
-    build_dir = Path(os.path.expanduser("~/.cache/baton/ops")) / f"torch-{torch.__version__}-{digest[:12]}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir()
     try:
-        return cpp_extension.load(
-            name="baton_ops",
+        module = cpp_extension.load(
+            name=NAME,
             sources=[str(s) for s in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),  # copies: torch's builder appends to the list it is given
+            build_directory=str(tmp),
             verbose=False,
         )
-    except (RuntimeError, OSError, ImportError) as e:
-        raise OpsBuildError(
-            f"building baton's CPU ops failed (needs g++ and ninja on PATH): {e}; build dir {build_dir}"
-        ) from e
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted build leaves nothing behind
+        if isinstance(e, (RuntimeError, OSError, ImportError)):
+            raise OpsBuildError(
+                f"building baton's CPU ops failed (needs a C++ compiler, c++ or $CXX, and ninja on PATH): {e}"
+            ) from e
+        raise
+    # a retried build in the same process is named baton_ops_v1 by torch: used, never published
+    if (tmp / LIB).is_file():
+        for _ in range(2):
+            try:
+                os.rename(tmp, final)  # atomic; fails where final is a non-empty directory
+                return module
+            except OSError:
+                if (final / LIB).is_file():  # another process's build won
+                    break
+                _remove(final)  # a directory without a library (an interrupted copy): replace it
+    shutil.rmtree(tmp, ignore_errors=True)
+    return module
+
+
+def _remove(path: Path) -> None:
+    """Removes a cache directory another process may be reading or replacing: renamed aside first,
+    so `path` itself is gone at once and never half deleted."""
+    aside = path.with_name(f"{path.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        os.rename(path, aside)
+    except OSError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def paged_decode_attention(

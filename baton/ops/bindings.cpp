@@ -2,15 +2,19 @@
 
 void bind_fused_decoder(pybind11::module_& m);  // decode.cpp
 
+// Every op releases the GIL while it runs (its arguments are converted before, its result after),
+// so Python threads such as the server's event loop go on meanwhile. No op touches a Python object.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V, read in place");
+  namespace py = pybind11;
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V, read in place", release());
   m.attr("PANEL_LANES") = panel_lanes();
-  m.def("pack_weight_panels", &pack_weight_panels, "[N, K] -> [ceil(N/16), K, 16] column panels");
-  m.def("panel_linear", &panel_linear, "x W^T (+ b) over column panels");
-  m.def("rms_norm", &rms_norm, "RMS norm of rows, optionally of residual += x");
-  m.def("rms_norm_heads_", &rms_norm_heads_, "RMS norm of each head, in place");
-  m.def("rotary_", &rotary_, "rotary embedding in place");
-  m.def("gated_act", &gated_act, "act(gate) * up");
-  m.def("empty_huge_pages", &empty_huge_pages, "uninitialized bytes on transparent huge pages");
+  m.def("pack_weight_panels", &pack_weight_panels, "[N, K] -> [ceil(N/16), K, 16] column panels", release());
+  m.def("panel_linear", &panel_linear, "x W^T (+ b) over column panels", release());
+  m.def("rms_norm", &rms_norm, "RMS norm of rows, optionally of residual += x", release());
+  m.def("rms_norm_heads_", &rms_norm_heads_, "RMS norm of each head, in place", release());
+  m.def("rotary_", &rotary_, "rotary embedding in place", release());
+  m.def("gated_act", &gated_act, "act(gate) * up", release());
+  m.def("empty_huge_pages", &empty_huge_pages, "uninitialized bytes on transparent huge pages", release());
   bind_fused_decoder(m);
 }

@@ -8,9 +8,12 @@
 #include <pybind11/stl.h>
 
 #include <array>
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -34,7 +37,7 @@ void write_kv(const torch::Tensor& src, torch::Tensor& cache, const torch::Tenso
   const float* s = src.data_ptr<float>();
   float* c = cache.data_ptr<float>();
   for (int64_t t = 0; t < rows; ++t) {
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the KV cache");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the KV cache's ", num_slots, " slots");
     for (int64_t h = 0; h < heads; ++h)
       std::memcpy(c + slot[t] * cache.stride(0) + h * cache.stride(1), s + t * src.stride(0) + h * src.stride(1), bytes);
   }
@@ -66,6 +69,7 @@ class Stopwatch {
 
 }  // namespace
 
+// forward runs without the GIL: mu_ keeps calls from two Python threads apart, as the GIL did.
 class FusedDecoder {
  public:
   FusedDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate,
@@ -80,11 +84,17 @@ class FusedDecoder {
                  torch::Tensor o, c10::optional<torch::Tensor> o_bias, torch::Tensor gate_up, torch::Tensor down,
                  torch::Tensor k_cache, torch::Tensor v_cache, int64_t rope, int64_t group) {
     TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat, "KV cache must be float32");
+    TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(), "KV cache must be on the CPU");
     TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == num_kv_heads_ && k_cache.size(2) == head_dim_ &&
                     k_cache.stride(2) == 1 && k_cache.sizes() == v_cache.sizes(),
                 "KV cache must be [slots, kv heads, head dim]");
     TORCH_CHECK(pre_ff_norm.has_value() == post_ff_norm.has_value(), "sandwich norms come in pairs");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q/k norms come in pairs");
+    TORCH_CHECK(rope >= 0 && group >= 0, "rope ", rope, " and group ", group, " must be indices");
+    std::lock_guard<std::mutex> lock(mu_);
+    if (static_cast<size_t>(group) >= group_slots_.size())
+      group_slots_.resize(group + 1, std::numeric_limits<int64_t>::max());
+    group_slots_[group] = std::min(group_slots_[group], k_cache.size(0));
     DecodeLayer l;
     l.input_norm = std::move(input_norm);
     l.post_attn_norm = std::move(post_attn_norm);
@@ -112,23 +122,14 @@ class FusedDecoder {
                         const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& slot_mapping,
                         const std::vector<torch::Tensor>& block_ids, const std::vector<torch::Tensor>& kv_offsets,
                         const std::vector<torch::Tensor>& kv_lens, int64_t block_size) {
-    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == hidden_ && x_in.scalar_type() == at::kFloat, "x must be [rows, hidden]");
-    TORCH_CHECK(cos.size() == sin.size(), "one cos per sin");
-    const size_t groups = slot_mapping.size();
-    TORCH_CHECK(block_ids.size() == groups && kv_offsets.size() == groups && kv_lens.size() == groups,
-                "one block table, offset and length per KV group");
+    std::lock_guard<std::mutex> lock(mu_);
+    check_step(x_in, cos, sin, slot_mapping, block_ids, kv_offsets, kv_lens, block_size);
     const int64_t n = x_in.size(0);
-    for (size_t g = 0; g < groups; ++g)
-      TORCH_CHECK(slot_mapping[g].scalar_type() == at::kLong && slot_mapping[g].is_contiguous() &&
-                      slot_mapping[g].numel() == n,
-                  "slot_mapping must be contiguous int64 [rows]");
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     torch::Tensor residual = x_in.contiguous().clone(), x;
     Stopwatch watch(profiling_ ? seconds_.data() : nullptr);
     for (size_t i = 0; i < layers_.size(); ++i) {
       DecodeLayer& l = layers_[i];
-      TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()) && l.group < static_cast<int64_t>(groups),
-                  "layer ", i, " reads a rope kind or KV group that was not given");
       const torch::Tensor h = i == 0 ? rms_norm(residual, c10::nullopt, l.input_norm, eps_, offset_)
                                      : rms_norm(x, residual, l.input_norm, eps_, offset_);
       watch.lap(kNorms);
@@ -145,8 +146,8 @@ class FusedDecoder {
       watch.lap(kNorms);
       write_kv(k, l.k_cache, slot_mapping[l.group]);
       write_kv(v, l.v_cache, slot_mapping[l.group]);
-      const torch::Tensor attn = paged_decode_attention(q, l.k_cache, l.v_cache, block_ids[l.group],
-                                                        kv_offsets[l.group], kv_lens[l.group], block_size, scale_);
+      const torch::Tensor attn = paged_decode_attention_checked_context(
+          q, l.k_cache, l.v_cache, block_ids[l.group], kv_offsets[l.group], kv_lens[l.group], block_size, scale_);
       watch.lap(kAttention);
       const torch::Tensor o = panel_linear(attn.view({n, q_size}), l.o, l.o_bias, hidden_);
       watch.lap(kLinears);
@@ -172,16 +173,56 @@ class FusedDecoder {
 
   // Off by default: with it on, forward adds each part's wall time to profile().
   void set_profiling(bool on) {
+    std::lock_guard<std::mutex> lock(mu_);
     profiling_ = on;
     seconds_.fill(0.0);
   }
   std::map<std::string, double> profile() const {
+    std::lock_guard<std::mutex> lock(mu_);
     std::map<std::string, double> named;
     for (int part = 0; part < kNumParts; ++part) named[kPartNames[part]] = seconds_[part];
     return named;
   }
 
  private:
+  // Everything a step reads is checked before its first layer runs, so that bad metadata is an
+  // error before any KV is written, and each layer's attention skips the per-call context check.
+  void check_step(const torch::Tensor& x, const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+                  const std::vector<torch::Tensor>& slot_mapping, const std::vector<torch::Tensor>& block_ids,
+                  const std::vector<torch::Tensor>& kv_offsets, const std::vector<torch::Tensor>& kv_lens,
+                  int64_t block_size) const {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "x must be float32 [rows, hidden=", hidden_, "] on the CPU, got ", x.scalar_type(), " ", x.sizes());
+    TORCH_CHECK(block_size >= 1, "block_size must be at least 1, got ", block_size);
+    TORCH_CHECK(cos.size() == sin.size(), "one cos per sin");
+    const int64_t n = x.size(0);
+    for (size_t r = 0; r < cos.size(); ++r)
+      for (const torch::Tensor* t : {&cos[r], &sin[r]})
+        TORCH_CHECK(t->dim() == 2 && t->size(0) == n && t->size(1) == head_dim_ && t->scalar_type() == at::kFloat &&
+                        t->stride(1) == 1 && t->device().is_cpu(),
+                    "cos and sin of rope kind ", r, " must be float32 [rows=", n, ", head dim=", head_dim_,
+                    "], got ", t->scalar_type(), " ", t->sizes());
+    const size_t groups = slot_mapping.size();
+    TORCH_CHECK(block_ids.size() == groups && kv_offsets.size() == groups && kv_lens.size() == groups,
+                "one block table, offset and length per KV group");
+    for (size_t i = 0; i < layers_.size(); ++i)
+      TORCH_CHECK(layers_[i].rope < static_cast<int64_t>(cos.size()) && layers_[i].group < static_cast<int64_t>(groups),
+                  "layer ", i, " reads a rope kind or KV group that was not given");
+    for (size_t g = 0; g < std::min(groups, group_slots_.size()); ++g) {
+      if (group_slots_[g] == std::numeric_limits<int64_t>::max()) continue;  // no layer reads it
+      const torch::Tensor& slots = slot_mapping[g];
+      TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n &&
+                      slots.device().is_cpu(),
+                  "slot_mapping must be contiguous int64 [rows=", n, "], got ", slots.scalar_type(), " ",
+                  slots.sizes());
+      const int64_t* slot = slots.data_ptr<int64_t>();
+      for (int64_t t = 0; t < n; ++t)
+        TORCH_CHECK(slot[t] >= 0 && slot[t] < group_slots_[g], "slot_mapping[", g, "][", t, "] = ", slot[t],
+                    " is outside the KV cache's ", group_slots_[g], " slots");
+      check_decode_context(block_ids[g], kv_offsets[g], kv_lens[g], n, block_size, group_slots_[g] / block_size);
+    }
+  }
+
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_, intermediate_;
   double eps_, offset_, scale_;
   bool gelu_tanh_;
@@ -189,10 +230,15 @@ class FusedDecoder {
   std::vector<DecodeLayer> layers_;
   bool profiling_ = false;
   std::array<double, kNumParts> seconds_{};
+  std::vector<int64_t> group_slots_;  // per KV group, the fewest slots of its layers' caches
+  mutable std::mutex mu_;
 };
 
 void bind_fused_decoder(pybind11::module_& m) {
   namespace py = pybind11;
+  // Every method releases the GIL: forward for the step's length, the others so that none holds
+  // the GIL while it waits for mu_.
+  using release = py::call_guard<py::gil_scoped_release>;
   py::class_<FusedDecoder>(m, "FusedDecoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, bool, torch::Tensor>(),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("hidden"),
@@ -201,8 +247,8 @@ void bind_fused_decoder(pybind11::module_& m) {
       .def("add_layer", &FusedDecoder::add_layer, py::arg("input_norm"), py::arg("post_attn_norm"),
            py::arg("pre_ff_norm"), py::arg("post_ff_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
            py::arg("qkv_bias"), py::arg("o"), py::arg("o_bias"), py::arg("gate_up"), py::arg("down"),
-           py::arg("k_cache"), py::arg("v_cache"), py::arg("rope"), py::arg("group"))
-      .def("forward", &FusedDecoder::forward)
-      .def("set_profiling", &FusedDecoder::set_profiling)
-      .def("profile", &FusedDecoder::profile);
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("rope"), py::arg("group"), release())
+      .def("forward", &FusedDecoder::forward, release())
+      .def("set_profiling", &FusedDecoder::set_profiling, release())
+      .def("profile", &FusedDecoder::profile, release());
 }

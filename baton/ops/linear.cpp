@@ -65,7 +65,8 @@ int64_t panel_lanes() { return kLanes; }
 
 // [N, K] -> [ceil(N / 16), K, 16], zero-padded past N
 torch::Tensor pack_weight_panels(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight must be 2-D float32");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "weight must be float32 [N, K] on the CPU, got ", weight.scalar_type(), " ", weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kLanes - 1) / kLanes;
   auto padded = torch::zeros({panels * kLanes, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
@@ -74,13 +75,23 @@ torch::Tensor pack_weight_panels(const torch::Tensor& weight) {
 
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                             int64_t n_dim) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [rows, K] float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes && packed.size(1) == x.size(1) && packed.is_contiguous(),
-              "packed weight does not match x");
-  TORCH_CHECK(n_dim <= packed.size(0) * kLanes, "n_dim larger than the packed weight");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.device().is_cpu(),
+              "x must be float32 [rows, K] on the CPU, contiguous in K, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes && packed.scalar_type() == at::kFloat &&
+                  packed.is_contiguous() && packed.device().is_cpu(),
+              "the packed weight must be contiguous float32 [panels, K, ", kLanes, "] (pack_weight_panels), got ",
+              packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(packed.size(1) == x.size(1), "x has K = ", x.size(1), " input features, the packed weight ",
+              packed.size(1));
+  TORCH_CHECK(n_dim >= 0 && n_dim <= packed.size(0) * kLanes, "out_features = ", n_dim,
+              " is outside the packed weight's ", packed.size(0) * kLanes, " (", packed.size(0), " panels of ", kLanes,
+              ")");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n_dim && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bad bias");
+    TORCH_CHECK(bias->numel() == n_dim && bias->is_contiguous() && bias->scalar_type() == at::kFloat &&
+                    bias->device().is_cpu(),
+                "bias must be contiguous float32 [out_features=", n_dim, "], got ", bias->scalar_type(), " ",
+                bias->sizes());
     b = bias->data_ptr<float>();
   }
   const int64_t rows = x.size(0), k_dim = x.size(1), panels = packed.size(0);

@@ -7,6 +7,16 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& v_cache, const torch::Tensor& block_table,
                                      const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
                                      int64_t block_size, double scale);
+// Throws unless block_size >= 1 and each of the num_seqs contexts [kv_offset[s], kv_offset[s] + kv_len[s])
+// is non-empty, inside its block_table row, and reads only block ids in [0, num_blocks).
+void check_decode_context(const torch::Tensor& block_table, const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
+                          int64_t num_seqs, int64_t block_size, int64_t num_blocks);
+// paged_decode_attention for a context that check_decode_context passed with num_blocks at most the
+// caches' slots / block_size: a decode step checks its context once, not once per layer.
+torch::Tensor paged_decode_attention_checked_context(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                                     const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                                                     const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
+                                                     int64_t block_size, double scale);
 int64_t panel_lanes();
 torch::Tensor pack_weight_panels(const torch::Tensor& weight);
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed,

@@ -2,6 +2,7 @@
 // block by block with an online softmax, so no gathered copy of the context and no mask.
 // The query heads of a kv head (GQA) share every K/V row read.
 #include "cpu_vec.h"
+#include "ops.h"
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -255,26 +256,21 @@ void decode_attention(torch::Tensor& out, const torch::Tensor& q, const torch::T
   }
 }
 
-}  // namespace
-
-// out[s] = softmax(q[s] . K^T * scale) V over positions [kv_offset[s], kv_offset[s] + kv_len[s])
-// of the concatenated blocks block_table[s, :], where block j holds slots
-// [block_table[s, j] * block_size, (block_table[s, j] + 1) * block_size) of the caches.
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, const torch::Tensor& block_table,
-                                     const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
-                                     int64_t block_size, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q, k_cache, v_cache must be 3-D");
+void check_decode_inputs(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q, k_cache, v_cache must be 3-D, got ",
+              q.sizes(), ", ", k_cache.sizes(), ", ", v_cache.sizes());
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "q, k_cache, v_cache must be on the CPU");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(), "k/v caches differ");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v cache dtypes differ");
-  TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(1) == 0, "head shapes do not match");
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
-                  block_table.size(0) == q.size(0),
-              "block_table must be contiguous int64 [num_seqs, max_blocks]");
-  TORCH_CHECK(kv_offset.scalar_type() == at::kLong && kv_len.scalar_type() == at::kLong && kv_offset.is_contiguous() &&
-                  kv_len.is_contiguous() && kv_offset.numel() == q.size(0) && kv_len.numel() == q.size(0),
-              "kv_offset and kv_len must be contiguous int64 [num_seqs]");
+  TORCH_CHECK(k_cache.size(1) >= 1 && q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(1) == 0,
+              "head shapes do not match: q ", q.sizes(), ", k_cache ", k_cache.sizes());
+}
+
+torch::Tensor run_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                   const torch::Tensor& block_table, const torch::Tensor& kv_offset,
+                                   const torch::Tensor& kv_len, int64_t block_size, double scale) {
   auto out = torch::empty_like(q, at::MemoryFormat::Contiguous);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_q", [&] {
     using q_t = scalar_t;
@@ -285,3 +281,64 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   return out;
 }
 
+}  // namespace
+
+// Checks the metadata of decode attention over a cache of num_blocks blocks, before a kernel reads
+// through it: every block id a context [kv_offset[s], kv_offset[s] + kv_len[s]) reads must name a
+// block of the cache. A loop over the table entries read, a fraction of what the kernel reads.
+void check_decode_context(const torch::Tensor& block_table, const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
+                          int64_t num_seqs, int64_t block_size, int64_t num_blocks) {
+  TORCH_CHECK(block_size >= 1, "block_size must be at least 1, got ", block_size);
+  TORCH_CHECK(block_table.device().is_cpu() && block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
+                  block_table.dim() == 2 && block_table.size(0) == num_seqs,
+              "block_table must be contiguous int64 [num_seqs=", num_seqs, ", max_blocks] on the CPU, got ",
+              block_table.scalar_type(), " ", block_table.sizes());
+  TORCH_CHECK(kv_offset.device().is_cpu() && kv_len.device().is_cpu() && kv_offset.scalar_type() == at::kLong &&
+                  kv_len.scalar_type() == at::kLong && kv_offset.is_contiguous() && kv_len.is_contiguous() &&
+                  kv_offset.numel() == num_seqs && kv_len.numel() == num_seqs,
+              "kv_offset and kv_len must be contiguous int64 [num_seqs=", num_seqs, "] on the CPU, got ",
+              kv_offset.scalar_type(), " ", kv_offset.sizes(), " and ", kv_len.scalar_type(), " ", kv_len.sizes());
+  const int64_t max_blocks = block_table.size(1);
+  // positions a table row covers, saturated so that a huge block_size cannot wrap around
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  const int64_t row_positions = max_blocks > kMax / block_size ? kMax : max_blocks * block_size;
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* offsets = kv_offset.data_ptr<int64_t>();
+  const int64_t* lens = kv_len.data_ptr<int64_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t offset = offsets[s], len = lens[s];
+    TORCH_CHECK(offset >= 0, "kv_offset[", s, "] = ", offset, " is negative");
+    TORCH_CHECK(len >= 1, "kv_len[", s, "] = ", len, ": a decode attends to at least one position");
+    TORCH_CHECK(len <= row_positions && offset <= row_positions - len, "kv_offset[", s, "] + kv_len[", s,
+                "] = ", offset, " + ", len, " runs past block_table row ", s, " (", max_blocks, " blocks of ",
+                block_size, " positions)");
+    for (int64_t b = offset / block_size, last = (offset + len - 1) / block_size; b <= last; ++b) {
+      const int64_t id = table[s * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block_table[", s, ", ", b, "] = ", id, " is outside the KV cache's ",
+                  num_blocks, " blocks");
+    }
+  }
+}
+
+// out[s] = softmax(q[s] . K^T * scale) V over positions [kv_offset[s], kv_offset[s] + kv_len[s])
+// of the concatenated blocks block_table[s, :], where block j holds slots
+// [block_table[s, j] * block_size, (block_table[s, j] + 1) * block_size) of the caches.
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                                     const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
+                                     int64_t block_size, double scale) {
+  check_decode_inputs(q, k_cache, v_cache);
+  TORCH_CHECK(block_size >= 1, "block_size must be at least 1, got ", block_size);
+  check_decode_context(block_table, kv_offset, kv_len, q.size(0), block_size, k_cache.size(0) / block_size);
+  return run_decode_attention(q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale);
+}
+
+torch::Tensor paged_decode_attention_checked_context(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                                     const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                                                     const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
+                                                     int64_t block_size, double scale) {
+  check_decode_inputs(q, k_cache, v_cache);
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0), "block_table ", block_table.sizes(),
+              " does not hold a row per sequence of q ", q.sizes());
+  return run_decode_attention(q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale);
+}

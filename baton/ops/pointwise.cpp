@@ -35,7 +35,19 @@ inline void add_row(float* r, const float* x, int64_t d) {
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1, name, " must be [rows, dim] float32");
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1 && t.device().is_cpu(), name,
+              " must be float32 [rows, dim] on the CPU, contiguous in dim, got ", t.scalar_type(), " ", t.sizes());
+}
+
+void check_heads(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.device().is_cpu(),
+              "x must be float32 [tokens, heads, dim] on the CPU, contiguous in dim, got ", x.scalar_type(), " ",
+              x.sizes());
+}
+
+void check_weight(const torch::Tensor& w, int64_t d) {
+  TORCH_CHECK(w.numel() == d && w.is_contiguous() && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+              "weight must be contiguous float32 [dim=", d, "], got ", w.scalar_type(), " ", w.sizes());
 }
 
 }  // namespace
@@ -46,12 +58,13 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
                        double eps, double offset) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), d = x.size(1);
-  TORCH_CHECK(weight.numel() == d && weight.is_contiguous() && weight.scalar_type() == at::kFloat, "bad weight");
+  check_weight(weight, d);
   float* r = nullptr;
   int64_t r_stride = 0;
   if (residual.has_value() && residual->defined()) {
     check_rows(*residual, "residual");
-    TORCH_CHECK(residual->size(0) == rows && residual->size(1) == d, "residual does not match x");
+    TORCH_CHECK(residual->size(0) == rows && residual->size(1) == d, "residual ", residual->sizes(),
+                " does not match x ", x.sizes());
     r = residual->data_ptr<float>();
     r_stride = residual->stride(0);
   }
@@ -76,9 +89,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
 // In place over x [tokens, heads, dim] (any strides but the last): every head normalized alone,
 // as q/k norms do.
 void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& weight, double eps, double offset) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be [tokens, heads, dim] float32");
+  check_heads(x);
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
-  TORCH_CHECK(weight.numel() == d && weight.is_contiguous() && weight.scalar_type() == at::kFloat, "bad weight");
+  check_weight(weight, d);
   float* xp = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
@@ -93,12 +106,13 @@ void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& weight, double eps, 
 // In place over x [tokens, heads, dim]: x * cos + rotate_half(x) * sin, where `sin` is
 // [tokens, dim] with rotate_half's sign folded into its first half and `cos` is [tokens, dim].
 void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be [tokens, heads, dim] float32");
+  check_heads(x);
   check_rows(cos, "cos");
   check_rows(sin, "sin");
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
   TORCH_CHECK(d % 2 == 0 && cos.size(0) == tokens && cos.size(1) == d && sin.size(0) == tokens && sin.size(1) == d,
-              "cos/sin do not match x");
+              "cos ", cos.sizes(), " and sin ", sin.sizes(), " must be [tokens, dim] of x ", x.sizes(),
+              " (dim even)");
   float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -154,6 +168,7 @@ torch::Tensor gated_act(const torch::Tensor& x, bool gelu_tanh) {
 // `nbytes` uninitialized bytes on transparent huge pages where the kernel grants them (its
 // madvise mode): weights and KV read every step then need 512x fewer TLB entries.
 torch::Tensor empty_huge_pages(int64_t nbytes) {
+  TORCH_CHECK(nbytes >= 0, "nbytes must not be negative, got ", nbytes);
   constexpr size_t kHuge = size_t{2} << 20;
   const size_t bytes = (static_cast<size_t>(nbytes) + kHuge - 1) / kHuge * kHuge;
   void* p = std::aligned_alloc(kHuge, bytes);

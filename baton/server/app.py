@@ -8,83 +8,43 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from baton.config import ServerConfig
-from baton.engine.async_engine import AsyncEngine
+from baton.config import KVTransferConfig, ServerConfig
+from baton.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from baton.handoff.transport import SPAN_MEDIA_TYPE, SpanStore
+from baton.http import INTERNAL_PREFIX, APIError, Guard, error_response, install_error_handlers, unless_hung_up
 from baton.server.metrics import ServerMetrics
 from baton.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    error_body,
 )
 from baton.server.serving import OpenAIServing
 from baton.tokenizer import apply_chat_template
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
-
-def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, status, param), status_code=status)
-
-
-class Guard:
-    """Pure ASGI middleware: 413 for bodies over the limit (declared or streamed), 401 without the key."""
-
-    def __init__(self, app, max_bytes: int, api_key: str | None, max_span_bytes: int) -> None:
-        self.app, self.api_key = app, api_key
-        self.limits = {"/v1/internal/kv": max_span_bytes}
-        self.default_limit = max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        max_bytes = self.limits.get(scope["path"], self.default_limit)
-        if self.api_key and scope["path"].startswith("/v1"):
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
-                return await _error(401, "invalid or missing API key", "authentication_error")(scope, receive, send)
-        declared = headers.get(b"content-length")
-        too_big = _error(413, f"request body exceeds {max_bytes} bytes", "invalid_request_error")
-        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            return await too_big(scope, receive, send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > max_bytes:
-                    raise _BodyTooLarge
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await too_big(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-def build_app(async_engine: AsyncEngine, config: ServerConfig, model_name: str) -> FastAPI:
+def build_app(
+    async_engine: AsyncEngine,
+    config: ServerConfig,
+    model_name: str,
+    kv_transfer: KVTransferConfig | None = None,
+) -> FastAPI:
+    """The server's routes. Internal PD routes exist only for a `kv_role` that needs them, and
+    only behind the shared kv secret (the engine signs and checks spans with the same one)."""
+    kv_transfer = kv_transfer or KVTransferConfig()
+    role = kv_transfer.kv_role
+    secret = async_engine.engine.config.kv_secret_bytes()
+    if role != "none" and secret is None:
+        raise ValueError(f"kv_role={role} needs a shared secret: pass --kv-secret (or --api-key, BATON_KV_SECRET)")
     engine = async_engine.engine
     metrics = ServerMetrics(async_engine)
     served = config.served_model_name or model_name
-    spans = SpanStore()
-    serving = OpenAIServing(async_engine, metrics, served, spans)
+    spans = SpanStore(max_bytes=kv_transfer.max_parked_kv_bytes)
+    serving = OpenAIServing(async_engine, metrics, served, spans, config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -95,29 +55,15 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, model_name: str) 
     app = FastAPI(title="baton", lifespan=lifespan)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    install_error_handlers(app, on_unexpected=lambda e: metrics.requests.labels("error").inc())
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
-        return _error(e.status, e.message, e.type, e.param)
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, e: EngineDeadError):
+        return error_response(503, str(e), headers={"Retry-After": "5"})
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        return _error(400, f"{param + ': ' if param else ''}{first.get('msg')}", "invalid_request_error", param)
-
-    @app.exception_handler(ValueError)
-    async def _value_error(_: Request, e: ValueError):
-        return _error(400, str(e), "invalid_request_error")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException):
-        return _error(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception):
-        return _error(500, f"internal error: {type(e).__name__}", "server_error")
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_: Request, e: RequestFailedError):
+        return error_response(500, str(e))
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served:
@@ -125,7 +71,7 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, model_name: str) 
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if async_engine.running else 503)
+        return Response(status_code=200 if async_engine.running and not async_engine.dead else 503)
 
     @app.get("/v1/models")
     async def models():
@@ -139,37 +85,38 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, model_name: str) 
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        return await serving.completion(body, _request_id("cmpl"))
+        return await unless_hung_up(request, serving.completion(body, _request_id("cmpl")), body.stream)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        return await serving.chat(body, _request_id("chatcmpl"))
+        return await unless_hung_up(request, serving.chat(body, _request_id("chatcmpl")), body.stream)
 
-    @app.post("/v1/internal/prefill")
-    async def internal_prefill(request: Request, endpoint: str = "completions", format: str = "grouped"):
-        """Prefill only and answer with the prompt's KV span (the router's first leg)."""
-        if config.kv_role == "decode":
-            raise APIError(404, "this worker's kv_role is decode: it does not export KV")
-        if endpoint not in ("completions", "chat") or format not in ("grouped", "dense"):
-            raise APIError(400, "endpoint must be completions or chat, format grouped or dense")
-        model = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
-        try:
-            body = model.model_validate_json(await request.body())
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
-        check_model(body.model)
-        blob = await serving.prefill(body, _request_id("prefill"), format)
-        return Response(blob, media_type=SPAN_MEDIA_TYPE)
+    if role in ("prefill", "both"):
 
-    @app.post("/v1/internal/kv")
-    async def internal_kv(request: Request):
-        """Park a KV span until the request naming its transfer id arrives (the router's second leg)."""
-        if config.kv_role == "prefill":
-            raise APIError(404, "this worker's kv_role is prefill: it does not import KV")
-        return {"kv_transfer_id": spans.put(await request.body())}
+        @app.post(INTERNAL_PREFIX + "prefill")
+        async def internal_prefill(request: Request, endpoint: str = "completions", format: str = "grouped"):
+            """Prefill only and answer with the prompt's KV span (the router's first leg)."""
+            if endpoint not in ("completions", "chat") or format not in ("grouped", "dense"):
+                raise APIError(400, "endpoint must be completions or chat, format grouped or dense")
+            model = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+            try:
+                body = model.model_validate_json(await request.body())
+            except ValidationError as e:
+                raise RequestValidationError(e.errors()) from None
+            check_model(body.model)
+            blob = await unless_hung_up(request, serving.prefill(body, _request_id("prefill"), format), False)
+            return Response(blob, media_type=SPAN_MEDIA_TYPE)
+
+    if role in ("decode", "both"):
+
+        @app.post(INTERNAL_PREFIX + "kv")
+        async def internal_kv(request: Request):
+            """Park a KV span until the request naming its transfer id arrives (the router's second leg).
+            Parking checks only the size; the engine checks the signature and everything else at import."""
+            return {"kv_transfer_id": spans.put(await request.body())}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -177,9 +124,12 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, model_name: str) 
         if engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
         if body.messages is not None:
-            ids = apply_chat_template(engine.tokenizer, [m.as_template_dict() for m in body.messages])
+            template = [m.as_template_dict() for m in body.messages]
+            ids = await serving.off_loop(apply_chat_template, engine.tokenizer, template)
         elif body.prompt is not None:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await serving.off_loop(
+                lambda: engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            )
         else:
             raise APIError(400, "give either prompt or messages", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
@@ -191,14 +141,18 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, model_name: str) 
             raise APIError(400, "this model has no tokenizer")
         if any(t >= engine.model_config.vocab_size for t in body.tokens):
             raise APIError(400, f"token ids must be below {engine.model_config.vocab_size}", param="tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return {"prompt": await serving.off_loop(engine.tokenizer.decode, body.tokens)}
 
     @app.get("/metrics")
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(
-        Guard, max_bytes=config.max_request_bytes, api_key=config.api_key, max_span_bytes=config.max_kv_span_bytes
+        Guard,
+        max_bytes=config.max_request_bytes,
+        api_key=config.api_key,
+        internal_key=secret.decode() if secret is not None and role != "none" else None,
+        limits={INTERNAL_PREFIX + "kv": kv_transfer.max_kv_span_bytes},
     )
     return app
 

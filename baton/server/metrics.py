@@ -49,6 +49,14 @@ class EngineCollector:
             "baton_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", value=s.prefix_hit_tokens
         )
         yield CounterMetricFamily("baton_preemptions", "Requests preempted for KV memory", value=s.num_preemptions)
+        yield CounterMetricFamily(
+            "baton_engine_step_failures",
+            "Engine steps that raised (their requests failed; the engine went on)",
+            value=a.step_failures,
+        )
+        yield GaugeMetricFamily(
+            "baton_engine_alive", "1 while the engine loop runs, 0 once it stopped or died", value=int(a.running)
+        )
 
 
 class ServerMetrics:
@@ -59,6 +67,7 @@ class ServerMetrics:
         self.requests = Counter("baton_requests", "Requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("baton_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("baton_generation_tokens", "Generated tokens", registry=r)
+        self.rejected = Counter("baton_requests_rejected", "Requests refused before admission", ["reason"], registry=r)
         self.ttft = Histogram(
             "baton_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
         )

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from baton.sampling_params import MAX_LOGPROBS, SamplingParams
+from baton.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams
 
 NonNegInt = Annotated[int, Field(ge=0)]
+MAX_STOP = 64  # stop strings / stop token ids / bad words of one request
 
 
 class StreamOptions(BaseModel):
@@ -24,11 +25,14 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=16)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=2**31)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegInt] | None = None
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED)
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP)
+    stop_token_ids: list[NonNegInt] | None = Field(None, max_length=MAX_STOP)
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    allowed_token_ids: list[NonNegInt] | None = Field(None, min_length=1)
+    bad_words: list[str] | None = Field(None, max_length=MAX_STOP)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
@@ -38,7 +42,15 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     user: str | None = None
-    kv_transfer_id: str | None = None  # a KV span parked on this worker by /v1/internal/kv
+    kv_transfer_id: str | None = Field(None, max_length=64)  # a KV span parked here by /v1/internal/kv
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        return bias
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -58,6 +70,9 @@ class _SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
 
 
@@ -79,15 +94,24 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
+class TextPart(BaseModel):
+    """The one content part a text model takes; other types (image_url, input_audio) are refused."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
+    name: str | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
-        if isinstance(content, list):  # text parts only
-            content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
         return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 

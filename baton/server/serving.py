@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from fastapi.responses import StreamingResponse
 
+from baton.config import ServerConfig
 from baton.engine.async_engine import AsyncEngine
 from baton.handoff.transport import SpanStore
+from baton.http import APIError
 from baton.outputs import RequestOutput
 from baton.sampling_params import SamplingParams
 from baton.server.metrics import ServerMetrics
@@ -26,17 +30,51 @@ from baton.server.responses import (
 )
 from baton.tokenizer import apply_chat_template
 
+T = TypeVar("T")
+
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_name: str, spans: SpanStore) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        served_name: str,
+        spans: SpanStore,
+        config: ServerConfig,
+    ) -> None:
         self.async_engine = engine
         self.spans = spans
         self.engine = engine.engine
         self.metrics = metrics
         self.served_name = served_name
+        self.config = config
         self.piece = TokenText(self.engine.tokenizer)
+        # tokenizing and chat templates run here, off the event loop, so a huge prompt does not
+        # stall other streams; one thread, as a tokenizer is not meant for concurrent calls
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="baton-tokenize")
 
     # ---- shared ----------------------------------------------------------------------------------
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def admit(self, num_sequences: int) -> None:
+        """Refuse a request the server should not take on: too many sequences, or a full queue."""
+        limit = self.config.max_sequences_per_request
+        if num_sequences > limit:
+            raise APIError(400, f"the request asks for {num_sequences} sequences (prompts x n); the limit is {limit}")
+        if self.async_engine.dead or not self.async_engine.running:
+            raise APIError(503, "the engine is not running", headers={"Retry-After": "5"})
+        if self.async_engine.num_waiting() >= self.config.max_waiting_requests:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise APIError(
+                503,
+                f"the server is busy: {self.config.max_waiting_requests} requests are waiting; retry later",
+                headers={"Retry-After": "1"},
+            )
+
+    def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        return apply_chat_template(self.engine.tokenizer, [m.as_template_dict() for m in body.messages])
+
     def _prepare(self, prompt, body: _SamplingFields, max_tokens: int | None) -> tuple[str | None, list[int], int]:
         """Tokenize and check against the context; returns (text, ids, max_tokens resolved)."""
         text, ids = self.engine.tokenize(prompt)
@@ -118,6 +156,14 @@ class OpenAIServing:
     def _header(self, rid: str, obj: str) -> dict:
         return {"id": rid, "object": obj, "created": int(time.time()), "model": self.served_name}
 
+    def _prepare_all(self, prompts: list, body: _SamplingFields, max_tokens: int | None) -> list:
+        return [self._prepare(p, body, max_tokens) for p in prompts]
+
+    def _check(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> None:
+        """The engine's own checks, here, so a bad request is a 4xx before any stream starts."""
+        for ids, p in zip(prompt_ids, params):
+            self.engine.check_request(ids, p)
+
     def _parked_span(self, body: _SamplingFields) -> bytes | None:
         if body.kv_transfer_id is None:
             return None
@@ -128,15 +174,18 @@ class OpenAIServing:
 
     async def prefill(self, body: CompletionRequest | ChatCompletionRequest, rid: str, fmt: str) -> bytes:
         """Prefill one prompt and return its encoded KV span (the first token travels inside)."""
+        self.admit(1)
         if isinstance(body, ChatCompletionRequest):
-            ids = apply_chat_template(self.engine.tokenizer, [m.as_template_dict() for m in body.messages])
-            _, ids, _ = self._prepare({"prompt_token_ids": ids}, body, body.max_completion_tokens or body.max_tokens)
+            ids = await self.off_loop(self._chat_ids, body)
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            _, ids, _ = await self.off_loop(self._prepare, {"prompt_token_ids": ids}, body, max_tokens)
         else:
             prompts = body.prompts()
             if len(prompts) != 1:
                 raise ValueError("a KV handoff carries one prompt")
-            _, ids, _ = self._prepare(prompts[0], body, body.max_tokens)
+            _, ids, _ = await self.off_loop(self._prepare, prompts[0], body, body.max_tokens)
         params = body.sampling_params(1, None, None)
+        await self.off_loop(self._check, [ids], [params])
         (out,) = await self._final([self._tracked(ids, params, rid, export_kv=fmt)])
         if out.kv_span is None:
             raise RuntimeError("the prefill produced no KV span")
@@ -144,9 +193,12 @@ class OpenAIServing:
 
     # ---- /v1/completions -------------------------------------------------------------------------
     async def completion(self, body: CompletionRequest, rid: str):
-        prepared = [self._prepare(p, body, body.max_tokens) for p in body.prompts()]
+        prompts = body.prompts()
+        self.admit(len(prompts) * body.n)
+        prepared = await self.off_loop(self._prepare_all, prompts, body, body.max_tokens)
         echo_lp = body.logprobs if body.echo and body.logprobs is not None else None
         params = [body.sampling_params(max(1, m), body.logprobs, echo_lp) for _, _, m in prepared]
+        await self.off_loop(self._check, [ids for _, ids, _ in prepared], params)
         span = self._parked_span(body) if len(prepared) == 1 else None
         gens = [
             self._tracked(ids, p, f"{rid}-{i}", kv_span=span)
@@ -234,12 +286,14 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions --------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, rid: str):
-        ids = apply_chat_template(self.engine.tokenizer, [m.as_template_dict() for m in body.messages])
-        _, ids, max_tokens = self._prepare(
-            {"prompt_token_ids": ids}, body, body.max_completion_tokens or body.max_tokens
+        self.admit(body.n)
+        ids = await self.off_loop(self._chat_ids, body)
+        _, ids, max_tokens = await self.off_loop(
+            self._prepare, {"prompt_token_ids": ids}, body, body.max_completion_tokens or body.max_tokens
         )
         top_n = body.top_logprobs or 0
         params = body.sampling_params(max_tokens, top_n if body.logprobs else None, None)
+        await self.off_loop(self._check, [ids], [params])
         gen = self._tracked(ids, params, rid, kv_span=self._parked_span(body))
         if body.stream:
             return _sse(self._chat_stream(body, rid, ids, top_n, gen))
