@@ -6,6 +6,7 @@ engine's output text is what it was when it decoded the whole output on every to
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 
 import pytest
@@ -181,16 +182,18 @@ def test_no_tokenizer_no_text():
 
 
 def whole_decode_engine(tok, output_ids: list[int], params: SamplingParams, eos: set[int]) -> tuple:
-    """The engine's former `_append_token`, replayed over a finished output: (text, tokens kept, stop_reason)."""
+    """Decode the whole output after every token and look for stop strings in what is new since the
+    previous decode (past their common prefix, as vLLM checks only new text; a character completed by
+    this token counts as new): (text, tokens kept, stop_reason)."""
     text, eos = "", set() if params.ignore_eos else eos
     for k, token in enumerate(output_ids):
         if token in eos or token in params.stop_token_ids:
             reason = None if token in eos else token
             return tok.decode(output_ids[:k], skip_special_tokens=params.skip_special_tokens), k + 1, reason
-        previous = len(text)
-        text = tok.decode(output_ids[: k + 1], skip_special_tokens=params.skip_special_tokens)
+        previous, text = text, tok.decode(output_ids[: k + 1], skip_special_tokens=params.skip_special_tokens)
         if params.stop and k + 1 >= params.min_tokens:
-            start = max(0, previous - max(len(s) for s in params.stop) + 1)
+            common = len(os.path.commonprefix([previous, text]))
+            start = max(0, common - max(len(s) for s in params.stop) + 1)
             hits = [(i, s) for i, s in ((text.find(s, start), s) for s in params.stop) if i >= 0]
             if hits:
                 idx, stop = min(hits)
@@ -214,6 +217,7 @@ def test_engine_text_is_the_whole_decode(smollm2):
         "stop string kept": (plain, SamplingParams(**greedy, stop=word, include_stop_str_in_output=True)),
         "stop string before min_tokens": (plain, SamplingParams(**greedy, stop=free.text.split()[0], min_tokens=6)),
         "stop token": (plain, SamplingParams(**greedy, stop_token_ids=[free.token_ids[5]])),
+        "stop strings of split characters": (emoji, SamplingParams(**greedy, stop=["。", "👌👌👌", "！"])),
         "sampled": (emoji, SamplingParams(max_tokens=32, temperature=1.0, seed=3, stop=["!"], min_tokens=4)),
     }
     outs = smollm2.generate([p for p, _ in cases.values()], [params for _, params in cases.values()])

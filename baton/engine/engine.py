@@ -332,7 +332,7 @@ class LLMEngine:
             req.output_text = detok.text + detok.pending  # the stop token's own text left out
             self.scheduler.finish(req, "stop")
             return
-        previous = len(req.output_text)
+        previous = len(detok.text)  # final text: a stop string not found before may only end past it
         detok.append(token)
         req.output_text = detok.text + detok.pending  # == decode(output_token_ids), as a stop string sees it
         if p.stop and req.num_output_tokens >= p.min_tokens:
@@ -380,7 +380,7 @@ class LLMEngine:
             outputs=[
                 CompletionOutput(
                     index=r.index,
-                    text=r.output_text,
+                    text=r.output_text if r.is_finished or r.detokenizer is None else r.detokenizer.text,
                     token_ids=list(r.output_token_ids),
                     cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
                     logprobs=r.logprobs,
