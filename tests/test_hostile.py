@@ -54,7 +54,8 @@ POISON: list[tuple[str, dict | bytes, int]] = [
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-model-len", "1024", "--max-waiting-requests", "4", "--max-sequences-per-request", "64")
+    limits = ("--max-num-seqs", "2", "--max-waiting-requests", "4", "--max-sequences-per-request", "64")
+    srv = ServerProcess("--max-model-len", "1024", *limits)
     yield srv
     if srv.proc.poll() is None:
         assert srv.terminate() == 0
@@ -151,22 +152,29 @@ def _aborted(server) -> float:
 
 
 def test_a_full_queue_answers_503_with_retry_after(server):
-    body = {"prompt": "Tell a story:", "max_tokens": 30, "ignore_eos": True}
-    results: list[requests.Response] = []
-
-    def send():
-        results.append(_post(server, "/v1/completions", {**body, "n": 16}, timeout=120))
-
-    threads = [threading.Thread(target=send) for _ in range(4)]  # 64 sequences: the queue is past 4
-    for t in threads:
-        t.start()
-    time.sleep(1.0)
-    r = _post(server, "/v1/completions", body, timeout=10)
-    assert r.status_code == 503 and r.headers.get("Retry-After") and r.json()["error"]["code"] == 503
-    for t in threads:
-        t.join()
-    assert all(x.status_code in (200, 503) for x in results)
+    """Two sequences run at a time and four may wait: a seventh request is refused at once."""
+    body = {"prompt": "Tell a story:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    streams = []
+    try:
+        for i in range(6):  # one at a time, each in the scheduler before the next is sent
+            streams.append(_post(server, "/v1/completions", body, stream=True))
+            assert streams[-1].status_code == 200
+            deadline = time.time() + 30
+            while time.time() < deadline and _in_scheduler(server) < i + 1:
+                time.sleep(0.02)
+        assert server.metric("baton_num_requests_waiting") == 4
+        r = _post(server, "/v1/completions", {**body, "stream": False}, timeout=10)
+        assert r.status_code == 503 and r.headers.get("Retry-After") and r.json()["error"]["code"] == 503
+        assert server.metric('baton_requests_rejected_total{reason="queue_full"') >= 1
+    finally:
+        for stream in streams:
+            stream.close()  # hang up: all six are aborted
     _wait_idle(server)
+    assert server.metric("baton_num_requests_waiting") == 0
+
+
+def _in_scheduler(server) -> float:
+    return server.metric("baton_num_requests_running") + server.metric("baton_num_requests_waiting")
 
 
 def test_a_plain_server_has_no_internal_routes(server):
