@@ -151,7 +151,7 @@ def _pd(args: argparse.Namespace) -> None:
     import secrets
     import subprocess
 
-    from baton.bench.procs import wait_healthy
+    from baton.bench.procs import stop_processes, wait_healthy
 
     base = [sys.executable, "-m", "baton.cli", "serve", "--model", args.model, "--served-model-name", args.model]
     # one secret for the trio, through the environment (a command line is visible to every user)
@@ -208,13 +208,7 @@ def _pd(args: argparse.Namespace) -> None:
         )
         procs[-1].wait()
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from baton.bench.procs import run_bench, wait_healthy
+from baton.bench.procs import run_bench, stop_processes, wait_healthy
 from baton.bench.serve import random_prompts
 
 CELLS = [(i, o, c) for i in (128, 2000) for o in (32, 128) for c in (1, 4)]
@@ -129,13 +128,7 @@ def main() -> None:
                 f"{r[7]:>8.0f} {r[8]:>8.0f} {r[9]:>9.1f} {r[10]:>8.1f}"
             )
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import tarfile
 from pathlib import Path
 
 from baton.bench.hf_export import export_hf_dir
-from baton.bench.procs import free_port, peak_rss_mib, run_bench, wait_healthy
+from baton.bench.procs import free_port, peak_rss_mib, run_bench, stop_processes, wait_healthy
 from baton.config import EnvSettings
 
 WORKLOADS = [  # (name, prompts, input, output, concurrency)
@@ -223,13 +222,7 @@ def main() -> None:
                         )
             rss = {peer: peak_rss_mib(proc.pid) for peer, (_, proc) in servers.items()}
         finally:
-            for _, proc in servers.values():
-                proc.send_signal(signal.SIGTERM)
-            for _, proc in servers.values():
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_processes(proc for _, proc in servers.values())
         peers = list(servers)
         lines = [f"{model} float32, 2 cores; medians of {repeats} run(s)"]
         header = f"{'workload':<18}{'figure':<16}" + "".join(f"{p:>11}" for p in peers)

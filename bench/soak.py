@@ -21,7 +21,6 @@ import json
 import os
 import random
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -33,7 +32,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from baton.bench.procs import free_port, wait_healthy  # noqa: E402
+from baton.bench.procs import free_port, stop_processes, wait_healthy  # noqa: E402
 
 KEY = secrets.token_hex(16)
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -192,13 +191,7 @@ def main() -> None:
         failed = soak.server_errors or any(leaked.values()) or any(running.values())
         sys.exit(1 if failed else 0)
     finally:
-        for p in procs.values():
-            p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs.values())
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from baton import LLM, SamplingParams
 from baton.handoff import wire
 from baton.handoff.errors import InvalidKVImport
-from baton.handoff.validate import ImportPlan, plan_import
+from baton.handoff.validate import ImportPlan
 from tests.test_random_models import make_model
 
 SECRET = "fuzz deployment"
@@ -66,16 +66,7 @@ def workers(tmp_path_factory):
 
 
 def import_plan(decode: LLM, blob: bytes) -> ImportPlan:
-    e = decode.engine
-    return plan_import(
-        blob,
-        secret=e.kv_secret,
-        fingerprint=e.fingerprint,
-        kv=e.kv,
-        kv_dtype=e.storage.dtype,
-        vocab_size=e.model_config.vocab_size,
-        expected_tokens=IDS,
-    )
+    return decode.engine.plan_import(blob, IDS)
 
 
 @pytest.fixture(scope="module", params=["grouped", "dense"])
@@ -336,15 +327,6 @@ def test_bools_are_not_token_ids(workers):
     ):
         h = json.loads(json.dumps(header))
         edit(h)
-        e = decode.engine
         with pytest.raises(InvalidKVImport) as err:
-            plan_import(
-                wire.frame(h, bytes(body), e.kv_secret),
-                secret=e.kv_secret,
-                fingerprint=e.fingerprint,
-                kv=e.kv,
-                kv_dtype=e.storage.dtype,
-                vocab_size=e.model_config.vocab_size,
-                expected_tokens=ids,
-            )
+            decode.engine.plan_import(wire.frame(h, bytes(body), decode.engine.kv_secret), ids)
         assert err.value.field == field

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +31,18 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
             pass
         time.sleep(1)
     raise RuntimeError(f"{url} not healthy after {timeout}s")
+
+
+def stop_processes(procs, timeout: float = 60) -> None:
+    """SIGTERM them all, then wait for each (graceful shutdown), killing one that does not exit."""
+    procs = list(procs)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def process_tree(pid: int) -> list[int]:

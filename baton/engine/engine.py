@@ -20,7 +20,7 @@ from baton.handoff import wire
 from baton.handoff.errors import InvalidKVImport
 from baton.handoff.span import model_fingerprint
 from baton.handoff.transfer import apply_import, export_span
-from baton.handoff.validate import plan_import
+from baton.handoff.validate import ImportPlan, plan_import
 from baton.kv.manager import KVManager
 from baton.kv.spec import KVSpec, size_kv_pools
 from baton.kv.storage import KVStorage
@@ -181,15 +181,7 @@ class LLMEngine:
         blob: bytes,
         bad_words: list[list[int]],
     ) -> str:
-        plan = plan_import(
-            blob,
-            secret=self.kv_secret,
-            fingerprint=self.fingerprint,
-            kv=self.kv,
-            kv_dtype=self.storage.dtype,
-            vocab_size=self.model_config.vocab_size,
-            expected_tokens=token_ids,
-        )
+        plan = self.plan_import(blob, token_ids)
         req = Request(f"{request_id}#0", token_ids, params, self.eos_token_ids, self.max_model_len, prompt=text)
         req.bad_words_token_ids = bad_words
         apply_import(self.kv, self.storage, req.request_id, plan)
@@ -236,6 +228,18 @@ class LLMEngine:
                 if ids and ids not in out:
                     out.append(ids)
         return out
+
+    def plan_import(self, blob: bytes, expected_tokens: list[int] | None) -> ImportPlan:
+        """Every check of a KV span against this worker (InvalidKVImport); writes nothing."""
+        return plan_import(
+            blob,
+            secret=self.kv_secret,
+            fingerprint=self.fingerprint,
+            kv=self.kv,
+            kv_dtype=self.storage.dtype,
+            vocab_size=self.model_config.vocab_size,
+            expected_tokens=expected_tokens,
+        )
 
     def abort_request(self, request_id: str) -> None:
         for req in self.requests.pop(request_id, []):
