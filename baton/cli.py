@@ -103,13 +103,9 @@ def _serve(args: argparse.Namespace) -> None:
     server = _section(ServerConfig, args)
     server.api_key = server.api_key or config.env.api_key
     config.env.api_key = server.api_key  # the kv secret defaults to the API key
-    if config.kv_transfer.kv_role != "none" and config.kv_secret_bytes() is None:
-        raise ValueError(
-            f"--kv-role {config.kv_transfer.kv_role} needs a shared secret for the internal routes and KV spans: "
-            "pass --kv-secret (or set BATON_KV_SECRET, or --api-key) on every worker and the router"
-        )
+    config.internal_key()  # refuse a PD role without a secret now, not after loading the model
     logging.basicConfig(level=config.env.log_level, format="%(levelname)s %(name)s: %(message)s")
-    app = build_app(AsyncEngine(lambda: LLMEngine(config)), server, config.model.model, config.kv_transfer)
+    app = build_app(AsyncEngine(lambda: LLMEngine(config)), server, config.model.model)
     # The engine thread and the event loop trade the GIL every step; a shorter switch interval
     # than the default 5 ms hands it over sooner (c1 TPOT about 5% lower in A/B runs here).
     sys.setswitchinterval(0.0005)
@@ -130,12 +126,12 @@ def _router(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from baton.config import EnvSettings
+    from baton.config import EnvSettings, shared_kv_secret
     from baton.handoff.router import Router, build_router_app
 
     env = EnvSettings.read()
     api_key = args.api_key or env.api_key
-    secret = args.kv_secret or env.kv_secret or api_key
+    secret = shared_kv_secret(args.kv_secret, env, api_key)
     if args.prefill and secret is None:
         raise ValueError("the router needs the workers' kv secret: pass --kv-secret (or BATON_KV_SECRET, or --api-key)")
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")

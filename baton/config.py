@@ -169,5 +169,23 @@ class EngineConfig:
 
     def kv_secret_bytes(self) -> bytes | None:
         """The explicit shared secret (flag, BATON_KV_SECRET, else the API key), or None."""
-        secret = self.kv_transfer.kv_secret or self.env.kv_secret or self.env.api_key
+        secret = shared_kv_secret(self.kv_transfer.kv_secret, self.env, self.env.api_key)
         return secret.encode() if secret else None
+
+    def internal_key(self) -> str | None:
+        """The key of the internal routes: None for kv_role none; a role without a secret is an error."""
+        role = self.kv_transfer.kv_role
+        if role == "none":
+            return None
+        secret = self.kv_secret_bytes()
+        if secret is None:
+            raise ValueError(
+                f"--kv-role {role} needs a shared secret for the internal routes and KV spans: "
+                "pass --kv-secret (or set BATON_KV_SECRET, or --api-key) on every worker and the router"
+            )
+        return secret.decode()
+
+
+def shared_kv_secret(flag: str | None, env: EnvSettings, api_key: str | None) -> str | None:
+    """A PD deployment's secret: the flag, else BATON_KV_SECRET, else the API key."""
+    return flag or env.kv_secret or api_key or None

@@ -89,8 +89,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as it advances. Leaving early (client gone) aborts it.
         A `kv_span` that fails validation is counted and the prompt is prefilled here instead."""
-        if not self.running or self.dead:
-            raise EngineDeadError("the engine loop is not running")
+        self.check_alive()
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
@@ -119,6 +118,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wake.set()
+
+    def check_alive(self) -> None:
+        if not self.running or self.dead:
+            raise EngineDeadError("the engine loop is not running")
 
     def num_waiting(self) -> int:
         """Requests submitted and not yet running (read from the event loop thread: a close estimate)."""

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from baton.config import KVTransferConfig, ServerConfig
+from baton.config import ServerConfig
 from baton.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from baton.handoff.transport import SPAN_MEDIA_TYPE, SpanStore
 from baton.http import INTERNAL_PREFIX, APIError, Guard, error_response, install_error_handlers, unless_hung_up
@@ -27,20 +27,13 @@ from baton.server.serving import OpenAIServing
 from baton.tokenizer import apply_chat_template
 
 
-def build_app(
-    async_engine: AsyncEngine,
-    config: ServerConfig,
-    model_name: str,
-    kv_transfer: KVTransferConfig | None = None,
-) -> FastAPI:
-    """The server's routes. Internal PD routes exist only for a `kv_role` that needs them, and
-    only behind the shared kv secret (the engine signs and checks spans with the same one)."""
-    kv_transfer = kv_transfer or KVTransferConfig()
-    role = kv_transfer.kv_role
-    secret = async_engine.engine.config.kv_secret_bytes()
-    if role != "none" and secret is None:
-        raise ValueError(f"kv_role={role} needs a shared secret: pass --kv-secret (or --api-key, BATON_KV_SECRET)")
+def build_app(async_engine: AsyncEngine, config: ServerConfig, model_name: str) -> FastAPI:
+    """The server's routes. Internal PD routes exist only for the engine's `kv_role` that needs
+    them, and only behind the shared kv secret (the engine signs and checks spans with the same one)."""
     engine = async_engine.engine
+    kv_transfer = engine.config.kv_transfer
+    role = kv_transfer.kv_role
+    internal_key = engine.config.internal_key()
     metrics = ServerMetrics(async_engine)
     served = config.served_model_name or model_name
     spans = SpanStore(max_bytes=kv_transfer.max_parked_kv_bytes)
@@ -151,7 +144,7 @@ def build_app(
         Guard,
         max_bytes=config.max_request_bytes,
         api_key=config.api_key,
-        internal_key=secret.decode() if secret is not None and role != "none" else None,
+        internal_key=internal_key,
         limits={INTERNAL_PREFIX + "kv": kv_transfer.max_kv_span_bytes},
     )
     return app

@@ -62,8 +62,7 @@ class OpenAIServing:
         limit = self.config.max_sequences_per_request
         if num_sequences > limit:
             raise APIError(400, f"the request asks for {num_sequences} sequences (prompts x n); the limit is {limit}")
-        if self.async_engine.dead or not self.async_engine.running:
-            raise APIError(503, "the engine is not running", headers={"Retry-After": "5"})
+        self.async_engine.check_alive()  # EngineDeadError: 503 with Retry-After
         if self.async_engine.num_waiting() >= self.config.max_waiting_requests:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(
