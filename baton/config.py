@@ -39,6 +39,11 @@ class CacheConfig:
     """Storage dtype of the KV cache; defaults to the model dtype."""
     kv_layout: str = "NHD"
     """Axis order of stored K/V per layer: NHD = [slots, heads, dim], HND = [heads, slots, dim]."""
+    state_checkpoint_interval: int = 256
+    """Recurrent layers: checkpoint the state every this many tokens (a multiple of block_size),
+    besides the prompt's last block boundary, a request's end and where requests diverge."""
+    state_checkpoint_fraction: float = 0.25
+    """Recurrent layers: the share of the KV budget (after running requests' state) for checkpoints."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -49,6 +54,13 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be NHD or HND, got {self.kv_layout!r}")
+        if self.state_checkpoint_interval < 0 or self.state_checkpoint_interval % self.block_size:
+            raise ValueError(
+                f"state_checkpoint_interval must be a multiple of block_size ({self.block_size}), "
+                f"got {self.state_checkpoint_interval}"
+            )
+        if not 0.0 <= self.state_checkpoint_fraction < 1.0:
+            raise ValueError(f"state_checkpoint_fraction must be in [0, 1), got {self.state_checkpoint_fraction}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}")
 

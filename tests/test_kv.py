@@ -27,13 +27,13 @@ def test_spec_groups_layers_by_kind():
 def test_sizing_is_a_pure_split_by_what_each_group_scales_with():
     spec = KVSpec.build([SLIDE8, FULL], num_kv_heads=1, head_dim=4, block_size=4)
     # bytes per block per group: 2 (K,V) * 1 layer * 4 tokens * 1 head * 4 dims * 4 bytes = 128
-    blocks = size_kv_pools(spec, torch.float32, budget_bytes=128 * 100, max_num_seqs=2, max_num_batched_tokens=8)
+    blocks = size_kv_pools(spec, torch.float32, budget_bytes=128 * 100, max_num_seqs=2, max_num_batched_tokens=8).blocks
     # sliding need: 2 seqs * (ceil(7/4) + 2) + ceil(8/4) = 10 blocks (< its half share of 50)
     assert blocks == [10, 90]
     # a budget too small for the need: sliding gets its bytes-per-token share (half) only
-    assert size_kv_pools(spec, torch.float32, 128 * 12, 2, 8) == [6, 6]
+    assert size_kv_pools(spec, torch.float32, 128 * 12, 2, 8).blocks == [6, 6]
     full_only = KVSpec.build([FULL, FULL], 1, 4, 4)
-    assert size_kv_pools(full_only, torch.float32, 256 * 10, 2, 8) == [10]
+    assert size_kv_pools(full_only, torch.float32, 256 * 10, 2, 8).blocks == [10]
 
 
 def test_pool_hands_out_vacant_blocks_before_cached_ones_lru():
@@ -85,18 +85,18 @@ def test_prefix_hit_requires_every_group_to_serve_the_window():
     tokens = list(range(100, 124))  # 6 full blocks
     _run_and_cache(kv, "a", tokens)
     query = tokens + [7, 7, 7]
-    assert kv.find_cached_prefix("b", query) == 24  # everything is still cached
+    assert kv.find_cached_prefix("b", query).num_tokens == 24  # everything is still cached
     # Evict the sliding group's block 3 (positions 12..15): a hit at 24 needs positions 17..23
     # (blocks 4, 5) only, so 24 still works; a hit at 20 would need block 3 and is not needed.
     sliding_pool = kv.pools[0]
     block3 = kv._lookup(0, 3, kv._block_hashes("b", query, b""), query)
     sliding_pool._forget(sliding_pool.blocks[block3])
-    assert kv.find_cached_prefix("b", query) == 24
+    assert kv.find_cached_prefix("b", query).num_tokens == 24
     # Evict block 5 too: L=24 needs block 5; L=20 needs blocks 3,4 (13..19) -> block 3 gone;
     # L=16 needs blocks 2,3 -> gone; L=12 needs blocks 1,2 (positions 5..11) -> present.
     block5 = kv._lookup(0, 5, kv._block_hashes("b", query, b""), query)
     sliding_pool._forget(sliding_pool.blocks[block5])
-    assert kv.find_cached_prefix("b", query) == 12
+    assert kv.find_cached_prefix("b", query).num_tokens == 12
     # The hit's table holds exactly what the window at 12 needs, and the rest comes fresh.
     assert kv.allocate_slots("b", query, 0, len(query) - 12, num_cached_tokens=12)
     table = kv.block_tables["b"][0]
@@ -108,4 +108,4 @@ def test_prefix_hit_never_covers_the_last_token():
     kv = hybrid_manager()
     tokens = list(range(16))
     _run_and_cache(kv, "a", tokens)
-    assert kv.find_cached_prefix("b", tokens) == 12  # at least one token is computed for logits
+    assert kv.find_cached_prefix("b", tokens).num_tokens == 12  # at least one token is computed for logits

@@ -23,6 +23,7 @@ from baton.handoff.transfer import apply_import, export_span
 from baton.handoff.validate import ImportPlan, plan_import
 from baton.kv.manager import KVManager
 from baton.kv.spec import KVSpec, size_kv_pools
+from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
 from baton.models.layers import can_pack_linears
 from baton.models.loader import load_model
@@ -61,21 +62,35 @@ class LLMEngine:
         kv_dtype = getattr(torch, cache.kv_cache_dtype or config.model.dtype)
         mc = self.model_config
         self.kv_spec = KVSpec.build(mc.layer_kinds, mc.num_kv_heads, mc.head_dim, cache.block_size)
+        sizes = size_kv_pools(
+            self.kv_spec,
+            kv_dtype,
+            cache.kv_cache_memory_bytes,
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens,
+            cache.state_checkpoint_fraction,
+        )
+        num_blocks = sizes.blocks
         if cache.num_kv_blocks is not None:
             num_blocks = [cache.num_kv_blocks] * len(self.kv_spec.groups)
-        else:
-            num_blocks = size_kv_pools(
-                self.kv_spec, kv_dtype, cache.kv_cache_memory_bytes, sched.max_num_seqs, sched.max_num_batched_tokens
-            )
-        self.kv = KVManager(self.kv_spec, num_blocks, cache.enable_prefix_caching)
+        num_checkpoints = sizes.num_checkpoints if cache.enable_prefix_caching else 0
+        self.kv = KVManager(
+            self.kv_spec,
+            num_blocks,
+            cache.enable_prefix_caching,
+            sizes.num_state_slots,
+            num_checkpoints,
+            cache.state_checkpoint_interval,
+        )
         self.max_model_len = self._max_model_len()
         self.storage = KVStorage(self.kv_spec, num_blocks, kv_dtype, cache.kv_layout)
+        self.states = StateStorage(self.kv_spec, sizes.num_state_slots, num_checkpoints)
         self.fingerprint = model_fingerprint(mc, loaded.source.header(), loaded.weights_content_sha256)
         # spans are signed and checked with this key: without a configured secret, a random one
         # per process, so only this process can import what it exported
         self.kv_secret = config.kv_secret_bytes() or _PROCESS_KV_SECRET
         self.scheduler = Scheduler(sched, self.kv, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv, self.storage)
+        self.runner = ModelRunner(self.model, self.kv, self.storage, self.states)
         self.eos_token_ids = set(mc.eos_token_ids) | self._generation_eos(loaded.path)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -91,6 +106,18 @@ class LLMEngine:
             self.storage.nbytes() / 2**20,
             self.max_model_len,
         )
+        if self.kv_spec.has_state:
+            logger.info(
+                "recurrent state: %d layers, %.2f MiB per request; %d running slots, %d checkpoints (%.1f MiB) "
+                "every %d tokens; the smallest prefix that can be shared is %d tokens (one block)",
+                sum(len(g.layer_ids) for g in self.kv_spec.state_groups),
+                self.kv_spec.state_bytes_per_slot() / 2**20,
+                sizes.num_state_slots,
+                num_checkpoints,
+                self.states.nbytes() / 2**20,
+                cache.state_checkpoint_interval,
+                cache.block_size,
+            )
 
     def _max_model_len(self) -> int:
         chunk = self.config.scheduler.max_num_batched_tokens

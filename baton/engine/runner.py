@@ -10,9 +10,11 @@ import torch
 from baton.engine.scheduler import SchedulerOutput
 from baton.kv.manager import KVManager
 from baton.kv.spec import KVGroup
+from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
 from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq
 from baton.models.llama import ForwardContext
+from baton.models.recurrent import RecurrentSeq, StateMetadata
 from baton.ops import ops
 
 
@@ -24,10 +26,11 @@ class ModelOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVManager, storage: KVStorage) -> None:
+    def __init__(self, model: torch.nn.Module, kv: KVManager, storage: KVStorage, states: StateStorage) -> None:
         self.model = model
         self.kv = kv
         self.storage = storage
+        self.states = states
         self.block_size = kv.block_size
         ops()  # build (first run on a machine) or load the compiled ops now, not on the first decode
 
@@ -77,6 +80,26 @@ class ModelRunner:
             prefills=prefills,
         )
 
+    def _state_metadata(self, batch: SchedulerOutput) -> StateMetadata | None:
+        """Each request's state slot (set from zeros or a checkpoint before its first forward) and
+        the checkpoints to record at block boundaries inside its rows."""
+        if not self.kv.spec.has_state:
+            return None
+        seqs, row = [], 0
+        for s in batch.scheduled:
+            rid = s.request.request_id
+            restore = self.kv.pop_restore(rid)
+            if restore is not None:
+                slot, cid = restore
+                if cid is None:
+                    self.states.reset(slot)
+                else:
+                    self.states.restore(slot, cid)
+            snaps = [(p - s.start, cid) for p, cid in self.kv.pending_snapshots.get(rid, [])]
+            seqs.append(RecurrentSeq(row, row + s.num_new_tokens, self.kv.state_slots[rid], snaps))
+            row += s.num_new_tokens
+        return StateMetadata(seqs)
+
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelOutput:
         input_ids, positions, logit_rows = [], [], []
@@ -96,7 +119,12 @@ class ModelRunner:
                 sample_rows[req.request_id] = len(logit_rows)
                 logit_rows.append(row + s.num_new_tokens - 1)
             row += s.num_new_tokens
-        ctx = ForwardContext(self.storage, [self._group_metadata(g, batch) for g in self.kv.spec.groups])
+        ctx = ForwardContext(
+            self.storage,
+            [self._group_metadata(g, batch) for g in self.kv.spec.groups],
+            self.states,
+            self._state_metadata(batch),
+        )
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)), ctx)
         if len(logit_rows) < hidden.shape[0]:  # else every row, in order (logit_rows is increasing)
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.long)]

@@ -38,6 +38,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prefix_lost_tokens = 0  # the paged groups had them, but no state checkpoint was there
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -79,9 +80,13 @@ class Scheduler:
             if not req.ready_to_schedule():
                 skipped.append(req)
                 continue
-            cached = 0
-            if req.num_computed_tokens == 0 and not req.needs_prompt_logits:
-                cached = self.kv.find_cached_prefix(req.request_id, req.token_ids, req.cache_salt)
+            cached = kv_tokens = 0
+            if req.num_computed_tokens == 0 and not req.needs_prompt_logits and self.kv.enable_prefix_caching:
+                hit = self.kv.find_cached_prefix(req.request_id, req.token_ids, req.cache_salt)
+                cached, kv_tokens = hit.num_tokens, hit.kv_tokens
+                if self._wait_for_shared_prefix(req, cached):
+                    skipped.append(req)
+                    continue
             done = req.num_computed_tokens  # > 0 only for a request whose prompt KV was imported
             num_new = min(req.num_tokens - done - cached, budget)
             if not self.kv.allocate_slots(req.request_id, req.token_ids, done, num_new, cached, req.cache_salt):
@@ -90,6 +95,7 @@ class Scheduler:
             if req.num_preemptions == 0 and done == 0:
                 self.prefix_queried_tokens += req.num_tokens
                 self.prefix_hit_tokens += cached
+                self.prefix_lost_tokens += kv_tokens - cached
                 req.num_cached_tokens = cached
             req.num_computed_tokens = done + cached
             req.status = RequestStatus.RUNNING
@@ -97,6 +103,29 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def _wait_for_shared_prefix(self, req: Request, cached: int) -> bool:
+        """Whether `req` should wait for a running request still prefilling a longer prefix it
+        shares: it resumes there a step later instead of computing the same tokens beside it. The
+        running one is asked to checkpoint its state there (recurrent layers resume only there)."""
+        limit = (req.num_tokens - 1) // self.kv.block_size * self.kv.block_size
+        for other in self.running:
+            if other.num_computed_tokens >= other.num_prompt_tokens or other.cache_salt != req.cache_salt:
+                continue
+            shared = min(
+                limit,
+                self.kv.shared_prefix(
+                    req.request_id,
+                    req.token_ids,
+                    other.request_id,
+                    other.token_ids[: other.num_prompt_tokens],
+                    (req.cache_salt, other.cache_salt),
+                ),
+            )
+            if shared > cached and shared > other.num_computed_tokens:
+                self.kv.request_checkpoint(other.request_id, shared)
+                return True
+        return False
 
     def _preempt(self, req: Request) -> None:
         """Recompute-style: drop its KV (the prefix cache may keep it) and requeue it first."""

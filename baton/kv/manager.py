@@ -1,14 +1,19 @@
-"""The KV manager: the only writer of block tables. Prefix lookup, allocation, window freeing."""
+"""The KV manager: the only writer of block tables and state slots. Prefix lookup, allocation,
+window freeing, state checkpoints."""
 
 from __future__ import annotations
 
 import struct
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import xxhash
 
 from baton.kv.pool import BlockPool
+from baton.kv.prefix import needed_start, resumable_prefix
 from baton.kv.spec import KVGroup, KVSpec
+from baton.kv.state import Checkpoint, CheckpointPool
 
 NULL_BLOCK = -1  # a block-table entry whose positions fell out of a sliding window
 
@@ -21,15 +26,32 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], salt: bytes 
     return h.digest()
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    num_tokens: int = 0  # the resumable prefix: every group can serve it
+    kv_tokens: int = 0  # what the paged groups alone could serve (past num_tokens: no state checkpoint)
+    checkpoint_id: int | None = None  # the state checkpoint at num_tokens
+
+
 class KVManager:
-    """Block tables per request and group, built on one `BlockPool` per group.
+    """Block tables per request and group, built on one `BlockPool` per group; one recurrent-state
+    slot per running request and a pool of state checkpoints when the model has recurrent layers.
 
     Invariants: a block is referenced by a table iff its ref count says so; a sliding group's
     table holds real blocks only for positions still inside the window of the next query;
-    a prefix hit of length L is taken only when every group can serve position L.
+    a prefix hit of length L is taken only when every group can serve position L
+    (`kv.prefix.resumable_prefix`), recurrent layers from a checkpoint taken exactly at L.
     """
 
-    def __init__(self, spec: KVSpec, num_blocks: list[int], enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_blocks: list[int],
+        enable_prefix_caching: bool = True,
+        num_state_slots: int = 0,
+        num_checkpoints: int = 0,
+        checkpoint_interval: int | None = None,
+    ) -> None:
         self.spec = spec
         self.block_size = spec.block_size
         self.pools = [BlockPool(n) for n in num_blocks]
@@ -37,6 +59,23 @@ class KVManager:
         self.block_tables: dict[str, list[list[int]]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_published: dict[str, int] = {}
+        interval = checkpoint_interval or 0
+        if spec.has_state and interval % self.block_size:
+            raise ValueError(
+                f"state checkpoint interval {interval} is not a multiple of the block size {self.block_size}"
+            )
+        self.checkpoint_interval = interval
+        self.num_state_slots = num_state_slots
+        self.free_slots: deque[int] = deque(range(num_state_slots))
+        self.state_slots: dict[str, int] = {}
+        self.checkpoints = CheckpointPool(num_checkpoints if enable_prefix_caching else 0)
+        self._block_uses: dict[bytes, int] = {}  # block hash -> published checkpoints it is a prefix of
+        self._hits: dict[str, PrefixHit] = {}
+        self._restores: dict[str, int | None] = {}  # request -> checkpoint its slot starts from (None: zeros)
+        self.pending_snapshots: dict[str, list[tuple[int, int]]] = {}  # request -> (position, checkpoint id)
+        self._checkpoint_at: dict[str, set[int]] = {}  # request -> positions to checkpoint besides the grid
+        self._prompt_boundary: dict[str, int] = {}  # request -> last block boundary below its prompt's end
+        self._rolling: dict[str, int] = {}  # request -> its latest checkpoint past the prompt
 
     # ---- queries -------------------------------------------------------------------------------
     def num_free_blocks(self, group_id: int) -> int:
@@ -46,7 +85,12 @@ class KVManager:
         return self.pools[group_id].num_used
 
     def all_free(self) -> bool:
-        return all(p.num_free == p.num_blocks for p in self.pools)
+        return (
+            all(p.num_free == p.num_blocks for p in self.pools)
+            and len(self.free_slots) == self.num_state_slots
+            and not any(c.pins for c in self.checkpoints.entries)
+            and not self.pending_snapshots
+        )
 
     def max_request_blocks(self, num_tokens: int, chunk: int) -> list[int]:
         return [g.blocks_per_request(num_tokens, self.block_size, chunk) for g in self.spec.groups]
@@ -58,9 +102,7 @@ class KVManager:
 
     def _window_start_block(self, group: KVGroup, next_pos: int) -> int:
         """First block a query at `next_pos` (or later) can still read."""
-        if not group.kind.is_sliding:
-            return 0
-        return max(0, next_pos - group.kind.window + 1) // self.block_size
+        return needed_start(group, next_pos) // self.block_size
 
     def _block_hashes(self, request_id: str, token_ids: Sequence[int], salt: bytes) -> list[bytes]:
         hashes = self._hashes.setdefault(request_id, [])
@@ -75,28 +117,54 @@ class KVManager:
         parent = hashes[i - 1] if i else None
         return self.pools[group_id].lookup(hashes[i], parent, tuple(token_ids[i * bs : (i + 1) * bs]))
 
-    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int], salt: bytes = b"") -> int:
-        """Longest L (a block multiple, < len(token_ids)) that every group can serve from cache."""
+    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int], salt: bytes = b"") -> PrefixHit:
+        """The longest L (a block multiple, < len(token_ids)) that every group can serve from cache;
+        `allocate_slots` takes it with `num_cached_tokens=hit.num_tokens`."""
         if not self.enable_prefix_caching:
-            return 0
+            return PrefixHit()
+        bs = self.block_size
         hashes = self._block_hashes(request_id, token_ids, salt)
-        max_blocks = min(len(hashes), (len(token_ids) - 1) // self.block_size)
-        full = [g for g in self.spec.groups if not g.kind.is_sliding]
-        sliding = [g for g in self.spec.groups if g.kind.is_sliding]
-        full_hit = 0
-        while full_hit < max_blocks and all(
-            self._lookup(g.group_id, full_hit, hashes, token_ids) is not None for g in full
-        ):
-            full_hit += 1
-        for k in range(full_hit if full else max_blocks, 0, -1):
-            end = k * self.block_size
-            if all(
-                self._lookup(g.group_id, i, hashes, token_ids) is not None
-                for g in sliding
-                for i in range(self._window_start_block(g, end), k)
-            ):
-                return end
-        return 0
+        max_blocks = min(len(hashes), (len(token_ids) - 1) // bs)
+        contiguous = {}
+        for g in self.spec.groups:
+            if not g.kind.is_sliding:
+                n = 0
+                while n < max_blocks and self._lookup(g.group_id, n, hashes, token_ids) is not None:
+                    n += 1
+                contiguous[g.group_id] = n
+
+        def has_positions(g: KVGroup, lo: int, hi: int) -> bool:
+            if not g.kind.is_sliding:
+                return hi // bs <= contiguous[g.group_id]
+            return all(self._lookup(g.group_id, i, hashes, token_ids) is not None for i in range(lo // bs, hi // bs))
+
+        def has_state(num_tokens: int) -> bool:
+            return self.checkpoints.lookup(hashes[num_tokens // bs - 1]) is not None
+
+        candidates = [k * bs for k in range(1, max_blocks + 1)]
+        kv_tokens = resumable_prefix(self.spec, candidates, has_positions, lambda _: True)
+        if not self.spec.has_state:
+            hit = PrefixHit(kv_tokens, kv_tokens)
+        else:
+            num = resumable_prefix(self.spec, [c for c in candidates if c <= kv_tokens], has_positions, has_state)
+            hit = PrefixHit(num, kv_tokens, self.checkpoints.lookup(hashes[num // bs - 1]) if num else None)
+        self._hits[request_id] = hit
+        return hit
+
+    def shared_prefix(self, a: str, a_tokens: Sequence[int], b: str, b_tokens: Sequence[int], salts: tuple) -> int:
+        """Tokens (a block multiple) two requests' prompts share, as their block hashes say."""
+        ha = self._block_hashes(a, a_tokens, salts[0])
+        hb = self._block_hashes(b, b_tokens, salts[1])
+        n = 0
+        while n < min(len(ha), len(hb)) and ha[n] == hb[n]:
+            n += 1
+        return n * self.block_size
+
+    def request_checkpoint(self, request_id: str, num_tokens: int) -> None:
+        """Ask a running request to checkpoint its state at `num_tokens` when it passes there (a
+        waiting request diverges from it there)."""
+        if self.spec.has_state and num_tokens % self.block_size == 0:
+            self._checkpoint_at.setdefault(request_id, set()).add(num_tokens)
 
     # ---- writes --------------------------------------------------------------------------------
     def allocate_slots(
@@ -135,9 +203,13 @@ class KVManager:
             if num_new + reclaimed > pool.num_free:
                 return False
             plans.append((first_needed, num_new))
+        if tables is None and self.spec.has_state and not self.free_slots:
+            return False
         if tables is None:
             tables = [[] for _ in self.spec.groups]
             self.block_tables[request_id] = tables
+            if self.spec.has_state:
+                self._take_slot(request_id, token_ids, num_cached_tokens)
             for g in self.spec.groups:
                 first = self._window_start_block(g, num_cached_tokens)
                 for b in hit_blocks[g.group_id]:
@@ -148,7 +220,92 @@ class KVManager:
             self._drop_before(g.group_id, table, first_needed)
             table.extend([NULL_BLOCK] * (first_needed - len(table)))
             table.extend(self.pools[g.group_id].allocate(num_new))
+        if self.spec.has_state and self.checkpoints.num_checkpoints:
+            self._plan_snapshots(request_id, token_ids, start, end, salt)
         return True
+
+    # ---- recurrent state -----------------------------------------------------------------------
+    def _take_slot(self, request_id: str, token_ids: Sequence[int], num_cached_tokens: int) -> None:
+        self.state_slots[request_id] = self.free_slots.popleft()
+        hit = self._hits.pop(request_id, PrefixHit())
+        cid = None
+        if num_cached_tokens:
+            assert hit.num_tokens == num_cached_tokens and hit.checkpoint_id is not None, "hit without its checkpoint"
+            cid = hit.checkpoint_id
+            self.checkpoints.pin(cid)
+        self._restores[request_id] = cid
+        bs = self.block_size
+        self._prompt_boundary[request_id] = (len(token_ids) - 1) // bs * bs
+        if hit.kv_tokens > num_cached_tokens:  # a divergence point: the next request sharing it resumes here
+            self.request_checkpoint(request_id, hit.kv_tokens)
+
+    def pop_restore(self, request_id: str) -> tuple[int, int | None] | None:
+        """(slot, checkpoint or None for zeros) to set a new slot from before its first forward;
+        None when the slot already holds the request's state."""
+        if request_id not in self._restores:
+            return None
+        cid = self._restores.pop(request_id)
+        if cid is not None:
+            self.checkpoints.unpin(cid)
+        return self.state_slots[request_id], cid
+
+    def _wants_checkpoint(self, request_id: str, num_tokens: int) -> bool:
+        interval = self.checkpoint_interval
+        return (
+            (interval > 0 and num_tokens % interval == 0)
+            or num_tokens >= self._prompt_boundary.get(request_id, 0)  # the prompt's last boundary, then rolling
+            or num_tokens in self._checkpoint_at.get(request_id, ())
+        )
+
+    def _plan_snapshots(self, request_id: str, token_ids: Sequence[int], start: int, end: int, salt: bytes) -> None:
+        """Reserve checkpoints for the block boundaries in (start, end] this request should record."""
+        bs = self.block_size
+        hashes = self._block_hashes(request_id, token_ids[:end], salt)
+        planned = self.pending_snapshots.setdefault(request_id, [])
+        for num_tokens in range((start // bs + 1) * bs, end + 1, bs):
+            if not self._wants_checkpoint(request_id, num_tokens):
+                continue
+            existing = self.checkpoints.lookup(hashes[num_tokens // bs - 1])
+            if existing is not None:
+                self.checkpoints.touch(existing)
+                continue
+            got = self.checkpoints.reserve()
+            if got is None:
+                break
+            cid, evicted = got
+            if evicted is not None:
+                self._release_prefix(evicted)
+            planned.append((num_tokens, cid))
+        if not planned:
+            del self.pending_snapshots[request_id]
+
+    def _publish_snapshots(self, request_id: str, num_computed_tokens: int) -> None:
+        planned = self.pending_snapshots.pop(request_id, [])
+        hashes = self._hashes[request_id]
+        for num_tokens, cid in planned:
+            assert num_tokens <= num_computed_tokens, "a snapshot past what the forward computed"
+            k = num_tokens // self.block_size
+            if not self.checkpoints.publish(cid, hashes[k - 1], num_tokens, tuple(hashes[:k])):
+                continue
+            for h in hashes[:k]:
+                self._block_uses[h] = self._block_uses.get(h, 0) + 1
+            if num_tokens > self._prompt_boundary.get(request_id, 0):  # past the prompt: keep only the latest
+                previous = self._rolling.get(request_id)
+                self._rolling[request_id] = cid
+                self.checkpoints.entries[cid].owner = request_id
+                if previous is not None and not self.checkpoints.entries[previous].pins:
+                    self._release_prefix(self.checkpoints.free(previous))
+
+    def _release_prefix(self, gone: Checkpoint) -> None:
+        """A checkpoint is gone: cached blocks that no other checkpoint makes resumable are freed."""
+        for h in gone.prefix_hashes:
+            uses = self._block_uses.get(h, 0) - 1
+            if uses > 0:
+                self._block_uses[h] = uses
+                continue
+            self._block_uses.pop(h, None)
+            for pool in self.pools:
+                pool.drop_cached(h)
 
     def blocks_for_import(self, num_tokens: int) -> list[int]:
         """Blocks per group that `allocate_for_import` takes for a prompt of num_tokens."""
@@ -185,6 +342,8 @@ class KVManager:
                 if table[i] != NULL_BLOCK:
                     pool.publish(table[i], hashes[i], parent, tokens)
         self._num_published[request_id] = max(done, num_computed_tokens // bs)
+        if request_id in self.pending_snapshots:
+            self._publish_snapshots(request_id, num_computed_tokens)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Release sliding-group blocks no later query can read."""
@@ -199,6 +358,19 @@ class KVManager:
         tables = self.block_tables.pop(request_id, None)
         self._hashes.pop(request_id, None)
         self._num_published.pop(request_id, None)
+        self._hits.pop(request_id, None)
+        self._checkpoint_at.pop(request_id, None)
+        self._prompt_boundary.pop(request_id, None)
+        rolling = self._rolling.pop(request_id, None)
+        if rolling is not None:  # stays cached: the next turn of a chat resumes there
+            self.checkpoints.entries[rolling].owner = None
+        for _, cid in self.pending_snapshots.pop(request_id, []):
+            self.checkpoints.free(cid)
+        if request_id in self._restores:
+            self.pop_restore(request_id)
+        slot = self.state_slots.pop(request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
         if tables is None:
             return
         for pool, table in zip(self.pools, tables):

@@ -86,6 +86,15 @@ class BlockPool:
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self.hash_to_block[block_hash] = block_id
 
+    def drop_cached(self, block_hash: bytes) -> None:
+        """Forget a cached block no request holds (nothing can resume through it any more)."""
+        block_id = self.hash_to_block.get(block_hash)
+        if block_id is None or self.blocks[block_id].ref_cnt:
+            return
+        del self.cached_free[block_id]
+        self._forget(self.blocks[block_id])
+        self.vacant.append(block_id)
+
     def _forget(self, block: Block) -> None:
         if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block.block_id:
             del self.hash_to_block[block.block_hash]

@@ -7,13 +7,20 @@ from dataclasses import dataclass
 
 import torch
 
+STATE_DTYPE = torch.float32  # recurrent state accumulates over the whole sequence: kept in float32
+
 
 @dataclass(frozen=True)
 class LayerKind:
-    """`full` layers attend to every earlier position; `sliding` ones to the last `window` (self included)."""
+    """`full` layers attend to every earlier position; `sliding` ones to the last `window` (self
+    included); `mla` ones to every earlier position through one compressed latent of `latent_dim`
+    per token; `recurrent` ones keep no per-token cache, only fixed-size state tensors of
+    `state_shapes` (e.g. a conv window and a delta-rule or SSM state)."""
 
     name: str
     window: int | None = None
+    latent_dim: int | None = None
+    state_shapes: tuple[tuple[int, ...], ...] = ()
 
     @staticmethod
     def full() -> LayerKind:
@@ -25,14 +32,33 @@ class LayerKind:
             raise ValueError(f"sliding window must be >= 1, got {window}")
         return LayerKind("sliding", window)
 
+    @staticmethod
+    def mla(latent_dim: int) -> LayerKind:
+        return LayerKind("mla", latent_dim=latent_dim)
+
+    @staticmethod
+    def recurrent(*state_shapes: tuple[int, ...]) -> LayerKind:
+        if not state_shapes or any(d < 1 for s in state_shapes for d in s):
+            raise ValueError(f"a recurrent layer needs non-empty state shapes, got {state_shapes}")
+        return LayerKind("recurrent", state_shapes=tuple(tuple(s) for s in state_shapes))
+
     @property
     def is_sliding(self) -> bool:
         return self.name == "sliding"
 
+    @property
+    def is_recurrent(self) -> bool:
+        return self.name == "recurrent"
+
+    @property
+    def is_mla(self) -> bool:
+        return self.name == "mla"
+
 
 @dataclass(frozen=True)
 class KVGroup:
-    """Layers of one kind and KV geometry; they share block tables and one storage tensor."""
+    """Paged layers of one kind and KV geometry; they share block tables and one storage tensor.
+    An MLA group stores one latent per token in K (head_dim = latent_dim, one head) and no V."""
 
     group_id: int
     kind: LayerKind
@@ -40,9 +66,13 @@ class KVGroup:
     num_kv_heads: int
     head_dim: int
 
+    @property
+    def v_head_dim(self) -> int:
+        return 0 if self.kind.is_mla else self.head_dim
+
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * len(self.layer_ids) * block_size * self.num_kv_heads * self.head_dim * elem
+        return len(self.layer_ids) * block_size * self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
 
     def blocks_per_request(self, num_tokens: int, block_size: int, chunk: int) -> int:
         """Most blocks one request of `num_tokens` tokens can hold, prefilled `chunk` tokens at a time."""
@@ -53,24 +83,67 @@ class KVGroup:
 
 
 @dataclass(frozen=True)
+class StateGroup:
+    """Recurrent layers with the same state shapes: one running slot per request holds all of them,
+    one checkpoint holds all of them at one position."""
+
+    group_id: int
+    kind: LayerKind
+    layer_ids: tuple[int, ...]
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return self.kind.state_shapes
+
+    def bytes_per_slot(self) -> int:
+        return len(self.layer_ids) * sum(math.prod(s) for s in self.state_shapes) * STATE_DTYPE.itemsize
+
+
+@dataclass(frozen=True)
 class KVSpec:
-    groups: tuple[KVGroup, ...]
-    layer_to_group: tuple[tuple[int, int], ...]  # layer id -> (group id, index inside the group)
+    groups: tuple[KVGroup, ...]  # paged groups: full, sliding, mla
+    layer_to_group: tuple[tuple[int, int] | None, ...]  # layer id -> (group, index in group); None: recurrent
     block_size: int
+    state_groups: tuple[StateGroup, ...] = ()
+    layer_to_state: tuple[tuple[int, int] | None, ...] = ()  # layer id -> (state group, index in group)
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self.state_groups)
+
+    def state_bytes_per_slot(self) -> int:
+        return sum(g.bytes_per_slot() for g in self.state_groups)
 
     @staticmethod
     def build(layer_kinds: list[LayerKind], num_kv_heads: int, head_dim: int, block_size: int) -> KVSpec:
         by_kind: dict[LayerKind, list[int]] = {}
         for layer_id, kind in enumerate(layer_kinds):
             by_kind.setdefault(kind, []).append(layer_id)
+        paged = [(k, ids) for k, ids in by_kind.items() if not k.is_recurrent]
         groups = tuple(
-            KVGroup(gid, kind, tuple(ids), num_kv_heads, head_dim) for gid, (kind, ids) in enumerate(by_kind.items())
+            KVGroup(gid, kind, tuple(ids), 1 if kind.is_mla else num_kv_heads, kind.latent_dim or head_dim)
+            for gid, (kind, ids) in enumerate(paged)
         )
-        mapping = [(0, 0)] * len(layer_kinds)
+        state_groups = tuple(
+            StateGroup(gid, kind, tuple(ids))
+            for gid, (kind, ids) in enumerate((k, ids) for k, ids in by_kind.items() if k.is_recurrent)
+        )
+        mapping: list[tuple[int, int] | None] = [None] * len(layer_kinds)
         for g in groups:
             for idx, layer_id in enumerate(g.layer_ids):
                 mapping[layer_id] = (g.group_id, idx)
-        return KVSpec(groups, tuple(mapping), block_size)
+        state_mapping: list[tuple[int, int] | None] = [None] * len(layer_kinds)
+        for sg in state_groups:
+            for idx, layer_id in enumerate(sg.layer_ids):
+                state_mapping[layer_id] = (sg.group_id, idx)
+        return KVSpec(groups, tuple(mapping), block_size, state_groups, tuple(state_mapping))
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    blocks: list[int]  # per paged group
+    num_state_slots: int  # running requests' recurrent state (0 without recurrent layers)
+    num_checkpoints: int  # state checkpoints kept for prefix caching
 
 
 def size_kv_pools(
@@ -79,14 +152,29 @@ def size_kv_pools(
     budget_bytes: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
-) -> list[int]:
-    """Blocks per group for a byte budget. Pure: no model, no tensors allocated.
+    checkpoint_fraction: float = 0.25,
+) -> PoolSizes:
+    """Blocks per group, state slots and checkpoints for a byte budget. Pure: no model, no tensors.
 
-    Sliding groups scale with in-flight requests (each holds about a window), full groups with
-    history: sliding groups get what `max_num_seqs` concurrent requests need, but never more than
-    their share of bytes per token, and full groups get the rest.
+    Recurrent state is constant per request: every one of `max_num_seqs` running requests gets a
+    slot first, then checkpoints get `checkpoint_fraction` of what is left. Sliding groups scale
+    with in-flight requests (each holds about a window), full and MLA groups with history: sliding
+    groups get what `max_num_seqs` concurrent requests need, but never more than their share of
+    bytes per token, and full groups get the rest.
     """
     bs = spec.block_size
+    num_slots = num_ckpts = 0
+    if spec.has_state:
+        slot_bytes = spec.state_bytes_per_slot()
+        num_slots = max_num_seqs
+        budget_bytes -= num_slots * slot_bytes
+        if budget_bytes <= 0:
+            raise ValueError(
+                f"the KV budget does not hold the recurrent state of {max_num_seqs} requests "
+                f"({slot_bytes} bytes each): raise kv_cache_memory_bytes or lower max_num_seqs"
+            )
+        num_ckpts = max(1, int(budget_bytes * checkpoint_fraction // slot_bytes))
+        budget_bytes -= num_ckpts * slot_bytes
     sliding = [g for g in spec.groups if g.kind.is_sliding]
     full = [g for g in spec.groups if not g.kind.is_sliding]
     per_token = {g.group_id: g.bytes_per_block(bs, dtype) / bs for g in spec.groups}
@@ -104,4 +192,4 @@ def size_kv_pools(
         num_tokens = max(0, left) / full_per_token
         for g in full:
             blocks[g.group_id] = max(1, int(num_tokens // bs))
-    return blocks
+    return PoolSizes(blocks, num_slots, num_ckpts)

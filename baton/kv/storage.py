@@ -29,9 +29,9 @@ class KVStorage:
         self.v: list[torch.Tensor] = []
         for g, n in zip(spec.groups, num_blocks):
             dims = {"L": len(g.layer_ids), "T": n * spec.block_size, "H": g.num_kv_heads, "D": g.head_dim}
-            shape = tuple(dims[a] for a in self.span_layout)
-            self.k.append(_zeros(shape, dtype, device))
-            self.v.append(_zeros(shape, dtype, device))
+            self.k.append(_zeros(tuple(dims[a] for a in self.span_layout), dtype, device))
+            dims["D"] = g.v_head_dim  # 0 for MLA: its latent lives in K alone
+            self.v.append(_zeros(tuple(dims[a] for a in self.span_layout), dtype, device))
 
     def group_view(self, group_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a group as [layers, slots, heads, dim] views."""

@@ -54,7 +54,8 @@ class FusedDecoder:
     def supports(model: torch.nn.Module, storage: KVStorage) -> bool:
         """Packed float32 linears and a float32 KV cache; otherwise the module path runs."""
         return storage.dtype == torch.float32 and all(
-            isinstance(layer.self_attn.qkv_proj, PackedLinear) for layer in model.layers
+            isinstance(getattr(getattr(layer, "self_attn", None), "qkv_proj", None), PackedLinear)
+            for layer in model.layers
         )
 
     def set_profiling(self, on: bool) -> None:

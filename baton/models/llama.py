@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
 from baton.models.fused_decode import FusedDecoder
 from baton.models.layers import (
@@ -20,12 +21,15 @@ from baton.models.layers import (
     paged_attention,
 )
 from baton.models.model_config import TextModelConfig
+from baton.models.recurrent import StateMetadata
 
 
 @dataclass
 class ForwardContext:
     storage: KVStorage
     groups: list[GroupAttnMetadata]
+    states: StateStorage | None = None  # recurrent layers' running slots and checkpoints
+    state_meta: StateMetadata | None = None
 
     def for_layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, GroupAttnMetadata]:
         k_cache, v_cache = self.storage.layer(layer_id)
@@ -115,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = nn.ModuleDict({kind: Rotary(rope, cfg.head_dim) for kind, rope in cfg.rope.items()})
-        self.layer_kinds = list(dict.fromkeys(layer.self_attn.kind for layer in self.layers))
+        self.layer_kinds = [k for k in dict.fromkeys(kind.name for kind in cfg.layer_kinds) if k in self.rotary]
         self.fused_decode = True  # decode-only steps as one C++ call where FusedDecoder supports the model
         self.fused_decoder: FusedDecoder | None = None
         self._fused_storage: KVStorage | None = None  # the storage fused_decoder was decided for

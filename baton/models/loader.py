@@ -268,7 +268,7 @@ def load_model(model: str, dtype: torch.dtype, cache_dir: Path | None = None, pr
     else:
         source = HFDirectory(path)
     cls = model_class(source.architecture)
-    cfg = parse_hf_config(source.config, source.architecture)
+    cfg = parse_hf_config(source.config, source.architecture, getattr(cls, "layer_kinds_from", None))
     with torch.device("meta"):
         net = cls(cfg)
     net = net.to_empty(device="cpu").to(dtype)

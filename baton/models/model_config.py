@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0  # rotary on this fraction of each head's dims
 
 
 @dataclass
@@ -41,6 +43,7 @@ class TextModelConfig:
     final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    hf: dict[str, Any] = field(default_factory=dict)  # the raw (text) config, for family-specific fields
 
     @property
     def attn_scale(self) -> float:
@@ -59,6 +62,7 @@ def _rope_from(params: dict[str, Any] | None, default_theta: float) -> RopeConfi
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
     )
 
 
@@ -95,8 +99,11 @@ def _eos_ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def parse_hf_config(cfg: dict[str, Any], architecture: str) -> TextModelConfig:
-    """Read the fields the model code needs, in both the old and the new transformers formats."""
+def parse_hf_config(
+    cfg: dict[str, Any], architecture: str, layer_kinds_from: Callable[[dict], list[LayerKind]] | None = None
+) -> TextModelConfig:
+    """Read the fields the model code needs, in both the old and the new transformers formats.
+    `layer_kinds_from`: the model family's own reading of its layer kinds (recurrent, MLA)."""
     is_gemma3 = architecture == "Gemma3ForCausalLM"
     if "text_config" in cfg:
         cfg = {**cfg["text_config"]}
@@ -115,7 +122,10 @@ def parse_hf_config(cfg: dict[str, Any], architecture: str) -> TextModelConfig:
     else:
         r = _rope_from(rope_params or cfg.get("rope_scaling"), cfg.get("rope_theta", 10_000.0))
         if not rope_params and cfg.get("rope_scaling") is None:
-            r = RopeConfig(theta=float(cfg.get("rope_theta", 10_000.0)))
+            r = RopeConfig(
+                theta=float(cfg.get("rope_theta", 10_000.0)),
+                partial_rotary_factor=float(cfg.get("partial_rotary_factor", 1.0)),
+            )
         rope = {"full": r, "sliding": r}
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if is_gemma3 else "silu")
     if act not in ("silu", "gelu_pytorch_tanh"):
@@ -132,7 +142,9 @@ def parse_hf_config(cfg: dict[str, Any], architecture: str) -> TextModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma3)),
-        layer_kinds=_layer_kinds(cfg, num_layers, 6 if is_gemma3 else None),
+        layer_kinds=layer_kinds_from(cfg)
+        if layer_kinds_from
+        else _layer_kinds(cfg, num_layers, 6 if is_gemma3 else None),
         rope=rope,
         attention_bias=bool(cfg.get("attention_bias", architecture == "Qwen2ForCausalLM")),
         qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
@@ -142,4 +154,5 @@ def parse_hf_config(cfg: dict[str, Any], architecture: str) -> TextModelConfig:
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+        hf=cfg,
     )

@@ -6,6 +6,7 @@ from torch import nn
 
 from baton.models.gemma3 import Gemma3ForCausalLM
 from baton.models.llama import LlamaForCausalLM
+from baton.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -13,6 +14,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 

@@ -29,7 +29,7 @@ NAME = "baton_ops"
 LIB = f"{NAME}.so"
 SOURCES = [
     Path(__file__).with_name(f)
-    for f in ("bindings.cpp", "paged_attention.cpp", "linear.cpp", "pointwise.cpp", "decode.cpp")
+    for f in ("bindings.cpp", "paged_attention.cpp", "linear.cpp", "pointwise.cpp", "decode.cpp", "recurrent.cpp")
 ]
 # -march=native: the library is built on the machine that runs it (AVX-512 where the CPU has it)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fopenmp-simd")
@@ -212,3 +212,26 @@ def gated_act(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
 def empty_huge_pages(nbytes: int) -> torch.Tensor:
     """`nbytes` uninitialized bytes (uint8) on transparent huge pages where the kernel grants them."""
     return ops().empty_huge_pages(nbytes)
+
+
+def recurrent_scan_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor | None,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """The recurrent-state scan of Gated DeltaNet, Kimi Delta Attention and Mamba2's SSM over T
+    tokens of H heads: returns out [T, H, Dv] and updates state [H, Dk, Dv] in place. Per head
+    and token t, in order:
+
+        S = S * exp(decay[t])                  # decay [T, H] per head, or [T, H, Dk] per row of S
+        if beta is None: S = S + outer(k[t], v[t])
+        else:            S = S + outer(k[t], (v[t] - k[t] @ S) * beta[t])   # beta [T, H]
+        out[t] = q[t] @ S
+
+    q, k [T, H, Dk] come already normalized and scaled. All tensors contiguous float32 on the
+    CPU; state shares no memory with the inputs. A token's result (and the state after it) is
+    bitwise the same however the sequence is cut into calls; T = 0 leaves state as it is."""
+    return ops().recurrent_scan_(q, k, v, decay, beta, state)

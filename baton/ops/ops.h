@@ -28,3 +28,9 @@ void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& weight, double eps, 
 void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor gated_act(const torch::Tensor& x, bool gelu_tanh);
 torch::Tensor empty_huge_pages(int64_t nbytes);
+
+// The recurrent-state scan (Gated DeltaNet, Kimi Delta Attention, Mamba2): out [T, H, Dv], state
+// [H, Dk, Dv] updated in place; decay [T, H] or [T, H, Dk]; beta [T, H] or none (see recurrent.cpp).
+torch::Tensor recurrent_scan_(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& decay, const c10::optional<torch::Tensor>& beta,
+                              torch::Tensor& state);

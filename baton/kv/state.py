@@ -1,0 +1,149 @@
+"""Recurrent state: the tensors of running slots and checkpoints, and the checkpoint index.
+
+A running request holds one slot: per recurrent layer, its state tensors (e.g. conv window and
+delta-rule matrix) at the request's `num_computed_tokens`. A checkpoint is a copy of every
+recurrent layer's state at one block boundary L of one token prefix, keyed by the chained block
+hash of that prefix: a later request with the same prefix resumes at L from it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from baton.kv.spec import STATE_DTYPE, KVSpec
+
+
+class StateStorage:
+    """Per state group and state tensor: running [layers, slots, *shape], checkpoints
+    [layers, checkpoints, *shape]. Readers get per-layer views from `layer`."""
+
+    def __init__(self, spec: KVSpec, num_slots: int, num_checkpoints: int, device: str = "cpu") -> None:
+        self.spec = spec
+        self.running: list[list[torch.Tensor]] = []
+        self.checkpoints: list[list[torch.Tensor]] = []
+        for g in spec.state_groups:
+            n = len(g.layer_ids)
+            self.running.append(
+                [torch.zeros((n, num_slots, *s), dtype=STATE_DTYPE, device=device) for s in g.state_shapes]
+            )
+            self.checkpoints.append(
+                [torch.zeros((n, num_checkpoints, *s), dtype=STATE_DTYPE, device=device) for s in g.state_shapes]
+            )
+
+    def layer(self, layer_id: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A layer's running state tensors [slots, *shape] and its checkpoint tensors [checkpoints, *shape]."""
+        entry = self.spec.layer_to_state[layer_id]
+        assert entry is not None, f"layer {layer_id} has no recurrent state"
+        gid, idx = entry
+        return [t[idx] for t in self.running[gid]], [t[idx] for t in self.checkpoints[gid]]
+
+    def reset(self, slot: int) -> None:
+        for tensors in self.running:
+            for t in tensors:
+                t[:, slot].zero_()
+
+    def restore(self, slot: int, checkpoint: int) -> None:
+        for run, ckpt in zip(self.running, self.checkpoints):
+            for r, c in zip(run, ckpt):
+                r[:, slot].copy_(c[:, checkpoint])
+
+    def read_slot(self, slot: int) -> list[list[torch.Tensor]]:
+        """Copies of a slot's state: per state group, per state tensor, [layers, *shape]."""
+        return [[t[:, slot].clone() for t in tensors] for tensors in self.running]
+
+    def write_slot(self, slot: int, state: list[list[torch.Tensor]]) -> None:
+        for tensors, values in zip(self.running, state):
+            for t, v in zip(tensors, values):
+                t[:, slot].copy_(v)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self.running + self.checkpoints for t in ts)
+
+
+@dataclass
+class Checkpoint:
+    checkpoint_id: int
+    block_hash: bytes | None = None  # hash of the prefix [0, num_tokens); None while reserved
+    num_tokens: int = 0
+    prefix_hashes: tuple[bytes, ...] = ()  # the block hashes it makes resumable
+    pins: int = 0  # restores not yet applied
+    owner: str | None = None  # a request's rolling end-of-sequence checkpoint
+
+
+@dataclass
+class CheckpointPool:
+    """Vacant ids, reserved ids (being written by a forward pass), published ones in LRU order."""
+
+    num_checkpoints: int
+    entries: list[Checkpoint] = field(init=False)
+    vacant: deque[int] = field(init=False)
+    lru: OrderedDict[int, None] = field(init=False)  # published and unpinned, oldest first
+    hash_to_id: dict[bytes, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.entries = [Checkpoint(i) for i in range(self.num_checkpoints)]
+        self.vacant = deque(range(self.num_checkpoints))
+        self.lru = OrderedDict()
+        self.hash_to_id = {}
+
+    @property
+    def num_used(self) -> int:
+        return self.num_checkpoints - len(self.vacant)
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.hash_to_id.get(block_hash)
+
+    def reserve(self) -> tuple[int, Checkpoint | None] | None:
+        """An id to write a checkpoint into and the published checkpoint evicted for it (if any);
+        None when every checkpoint is reserved or pinned."""
+        if self.vacant:
+            return self.vacant.popleft(), None
+        if not self.lru:
+            return None
+        cid, _ = self.lru.popitem(last=False)
+        entry = self.entries[cid]
+        evicted = Checkpoint(cid, entry.block_hash, entry.num_tokens, entry.prefix_hashes)
+        self._forget(entry)
+        return cid, evicted
+
+    def publish(self, cid: int, block_hash: bytes, num_tokens: int, prefix_hashes: tuple[bytes, ...]) -> bool:
+        """Make a reserved id findable; False (and the id is freed) when that prefix already has one."""
+        if block_hash in self.hash_to_id:
+            self.free(cid)
+            return False
+        entry = self.entries[cid]
+        entry.block_hash, entry.num_tokens, entry.prefix_hashes = block_hash, num_tokens, prefix_hashes
+        self.hash_to_id[block_hash] = cid
+        self.lru[cid] = None
+        return True
+
+    def touch(self, cid: int) -> None:
+        if cid in self.lru:
+            self.lru.move_to_end(cid)
+
+    def pin(self, cid: int) -> None:
+        self.entries[cid].pins += 1
+        self.lru.pop(cid, None)
+
+    def unpin(self, cid: int) -> None:
+        entry = self.entries[cid]
+        entry.pins -= 1
+        if entry.pins == 0 and entry.block_hash is not None:
+            self.lru[cid] = None
+
+    def free(self, cid: int) -> Checkpoint:
+        """Drop a reserved or published checkpoint; returns what it was."""
+        entry = self.entries[cid]
+        was = Checkpoint(cid, entry.block_hash, entry.num_tokens, entry.prefix_hashes)
+        self.lru.pop(cid, None)
+        self._forget(entry)
+        self.vacant.append(cid)
+        return was
+
+    def _forget(self, entry: Checkpoint) -> None:
+        if entry.block_hash is not None and self.hash_to_id.get(entry.block_hash) == entry.checkpoint_id:
+            del self.hash_to_id[entry.block_hash]
+        entry.block_hash, entry.num_tokens, entry.prefix_hashes, entry.pins, entry.owner = None, 0, (), 0, None

@@ -1,0 +1,206 @@
+"""Qwen3-Next (and Qwen3.5 text): Gated DeltaNet layers (causal conv + gated delta rule, a
+constant-size state per request) beside gated full-attention layers (output gate, partial
+rotary), MoE with a shared expert."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.kv.spec import LayerKind
+from baton.models.layers import RMSNorm, Rotary, paged_attention
+from baton.models.llama import ForwardContext, LlamaForCausalLM
+from baton.models.model_config import TextModelConfig
+from baton.models.moe import SparseMoE, dense_mlp
+from baton.models.recurrent import causal_conv1d, scan, segments
+
+
+def layer_kinds(hf: dict[str, Any]) -> list[LayerKind]:
+    kh, vh = int(hf["linear_num_key_heads"]), int(hf["linear_num_value_heads"])
+    dk, dv = int(hf["linear_key_head_dim"]), int(hf["linear_value_head_dim"])
+    conv_dim = 2 * kh * dk + vh * dv
+    recurrent = LayerKind.recurrent((conv_dim, int(hf["linear_conv_kernel_dim"]) - 1), (vh, dk, dv))
+    kinds = {"linear_attention": recurrent, "full_attention": LayerKind.full()}
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % int(hf.get("full_attention_interval", 4)) == 0 else "linear_attention"
+        for i in range(int(hf["num_hidden_layers"]))
+    ]
+    try:
+        return [kinds[t] for t in types]
+    except KeyError as e:
+        raise ValueError(f"unsupported Qwen3-Next layer type {e.args[0]!r}") from None
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight * silu(gate), in float32 (Qwen3-Next's RMSNormGated)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
+        super().__init__()
+        hf = cfg.hf
+        self.layer_id = layer_id
+        self.kh, self.vh = int(hf["linear_num_key_heads"]), int(hf["linear_num_value_heads"])
+        self.dk, self.dv = int(hf["linear_key_head_dim"]), int(hf["linear_value_head_dim"])
+        self.key_dim, self.value_dim = self.kh * self.dk, self.vh * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        kernel = int(hf["linear_conv_kernel_dim"])
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=False)
+        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.vh, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.vh))
+        self.A_log = nn.Parameter(torch.zeros(self.vh))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.dv))
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.eps = cfg.rms_norm_eps
+
+    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
+        """HF's per-key-head interleaved layout -> q, k [T, kh*dk], v, z [T, vh*dv], b, a [T, vh]."""
+        n, r = qkvz.shape[0], self.vh // self.kh
+        qkvz = qkvz.view(n, self.kh, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], dim=2)
+        b, a = torch.split(ba.view(n, self.kh, 2 * r), [r, r], dim=2)
+        flat = lambda t: t.reshape(n, -1)  # noqa: E731
+        return flat(q), flat(k), flat(v), flat(z), flat(b), flat(a)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        mixed = torch.cat((q, k, v), dim=1)
+        (conv_state, rec_state), (conv_ckpt, rec_ckpt) = ctx.states.layer(self.layer_id)
+        weight = self.conv1d.weight[:, 0]
+        segs = list(segments(ctx.state_meta))
+        conv_out = torch.empty_like(mixed)
+        for s in segs:
+            conv_out[s.lo : s.hi] = causal_conv1d(mixed[s.lo : s.hi], conv_state[s.slot], weight, None)
+            if s.checkpoint is not None:
+                conv_ckpt[s.checkpoint].copy_(conv_state[s.slot])
+        conv_out = F.silu(conv_out)
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=1)
+        r = self.vh // self.kh
+        q = l2norm(q.float().view(n, self.kh, self.dk)).repeat_interleave(r, dim=1) * self.dk**-0.5
+        k = l2norm(k.float().view(n, self.kh, self.dk)).repeat_interleave(r, dim=1)
+        v = v.float().view(n, self.vh, self.dv)
+        beta = b.float().sigmoid()
+        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out = torch.empty((n, self.vh, self.dv), dtype=torch.float32)
+        for s in segs:
+            rows = slice(s.lo, s.hi)
+            out[rows] = scan(q[rows], k[rows], v[rows], decay[rows], beta[rows], rec_state[s.slot])
+            if s.checkpoint is not None:
+                rec_ckpt[s.checkpoint].copy_(rec_state[s.slot])
+        out = gated_rms_norm(out.to(x.dtype), z.view(n, self.vh, self.dv), self.norm.weight, self.eps)
+        return self.out_proj(out.reshape(n, -1))
+
+
+class GatedAttention(nn.Module):
+    """q_proj gives each head its query and an output gate; q/k norm (1 + w); partial rotary."""
+
+    def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, 2 * self.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, 1.0)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, 1.0)
+        self.scale = cfg.attn_scale
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        n, d = x.shape[0], self.head_dim
+        qg = self.q_proj(x).view(n, self.num_heads, 2 * d)
+        q, gate = qg[..., :d].contiguous(), qg[..., d:].reshape(n, -1)
+        k = self.k_proj(x).view(n, self.num_kv_heads, d)
+        v = self.v_proj(x).view(n, self.num_kv_heads, d)
+        self.q_norm.heads_(q)
+        self.k_norm.heads_(k)
+        q, k = partial_rotary(q, *rope), partial_rotary(k, *rope)
+        k_cache, v_cache, meta = ctx.for_layer(self.layer_id)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
+
+
+def partial_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on the first cos.shape[-1] dims of each head of x [T, heads, D]; the rest pass."""
+    rot = cos.shape[-1]
+    xr, half = x[..., :rot], rot // 2
+    turned = torch.cat((xr[..., half:], xr[..., :half]), dim=-1)
+    return torch.cat((xr * cos[:, None] + turned * signed_sin[:, None], x[..., rot:]), dim=-1)
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
+        super().__init__()
+        hf = cfg.hf
+        self.recurrent = cfg.layer_kinds[layer_id].is_recurrent
+        if self.recurrent:
+            self.linear_attn = GatedDeltaNet(cfg, layer_id)
+        else:
+            self.self_attn = GatedAttention(cfg, layer_id)
+        sparse = int(hf.get("num_experts", 0)) > 0 and (layer_id + 1) % int(hf.get("decoder_sparse_step", 1)) == 0
+        if sparse and layer_id not in (hf.get("mlp_only_layers") or []):
+            self.mlp = SparseMoE(cfg, shared_gate=True)
+        else:
+            self.mlp = dense_mlp(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, 1.0)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, 1.0)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: dict, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.linear_attn(h, ctx) if self.recurrent else self.self_attn(h, rope["full"], ctx)
+        return self.mlp(self.post_attention_layernorm(h, residual)), residual
+
+
+class Qwen3NextForCausalLM(LlamaForCausalLM):
+    layer_cls = Qwen3NextDecoderLayer
+    norm_offset = 1.0
+    layer_kinds_from = staticmethod(layer_kinds)
+
+    def __init__(self, cfg: TextModelConfig) -> None:
+        super().__init__(cfg)
+        rope = cfg.rope["full"]
+        self.rotary = nn.ModuleDict({"full": Rotary(rope, int(cfg.head_dim * rope.partial_rotary_factor))})
+        self.layer_kinds = ["full"]
+        self.fused_decode = False  # the one-call C++ decode step has no recurrent layers yet
+
+    _UNFUSED = {"gate_up_proj": ("gate_proj", "up_proj")}
+
+    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, p in self.named_parameters():
+            hf = name if name.startswith("lm_head.") else f"model.{name}"
+            if ".gate_up_proj." in hf:
+                for part in ("gate_proj", "up_proj"):
+                    shapes[hf.replace("gate_up_proj", part)] = (p.shape[0] // 2, *p.shape[1:])
+            else:
+                shapes[hf] = tuple(p.shape)
+        return shapes
+
+    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
+        name = hf_name.removeprefix("model.")
+        for shard, part in enumerate(("gate_proj", "up_proj")):
+            if f".{part}." in name:
+                param = self.get_parameter(name.replace(part, "gate_up_proj"))
+                rows = param.shape[0] // 2
+                param.data[shard * rows : (shard + 1) * rows].copy_(tensor)
+                return
+        self.get_parameter(name).data.copy_(tensor)
