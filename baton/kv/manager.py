@@ -76,6 +76,7 @@ class KVManager:
         self._checkpoint_at: dict[str, set[int]] = {}  # request -> positions to checkpoint besides the grid
         self._prompt_boundary: dict[str, int] = {}  # request -> last block boundary below its prompt's end
         self._rolling: dict[str, int] = {}  # request -> its latest checkpoint past the prompt
+        self._scheduled: dict[str, tuple] = {}  # request -> (token_ids, start, end, salt) of this step
 
     # ---- queries -------------------------------------------------------------------------------
     def num_free_blocks(self, group_id: int) -> int:
@@ -165,6 +166,9 @@ class KVManager:
         waiting request diverges from it there)."""
         if self.spec.has_state and num_tokens % self.block_size == 0:
             self._checkpoint_at.setdefault(request_id, set()).add(num_tokens)
+            scheduled = self._scheduled.get(request_id)
+            if scheduled is not None and scheduled[1] < num_tokens <= scheduled[2]:  # its forward this step
+                self._plan_snapshots(request_id, *scheduled)
 
     # ---- writes --------------------------------------------------------------------------------
     def allocate_slots(
@@ -221,6 +225,7 @@ class KVManager:
             table.extend([NULL_BLOCK] * (first_needed - len(table)))
             table.extend(self.pools[g.group_id].allocate(num_new))
         if self.spec.has_state and self.checkpoints.num_checkpoints:
+            self._scheduled[request_id] = (token_ids, start, end, salt)
             self._plan_snapshots(request_id, token_ids, start, end, salt)
         return True
 
@@ -263,7 +268,7 @@ class KVManager:
         hashes = self._block_hashes(request_id, token_ids[:end], salt)
         planned = self.pending_snapshots.setdefault(request_id, [])
         for num_tokens in range((start // bs + 1) * bs, end + 1, bs):
-            if not self._wants_checkpoint(request_id, num_tokens):
+            if not self._wants_checkpoint(request_id, num_tokens) or any(p == num_tokens for p, _ in planned):
                 continue
             existing = self.checkpoints.lookup(hashes[num_tokens // bs - 1])
             if existing is not None:
@@ -276,10 +281,12 @@ class KVManager:
             if evicted is not None:
                 self._release_prefix(evicted)
             planned.append((num_tokens, cid))
+        planned.sort()
         if not planned:
             del self.pending_snapshots[request_id]
 
     def _publish_snapshots(self, request_id: str, num_computed_tokens: int) -> None:
+        self._scheduled.pop(request_id, None)
         planned = self.pending_snapshots.pop(request_id, [])
         hashes = self._hashes[request_id]
         for num_tokens, cid in planned:
@@ -342,8 +349,7 @@ class KVManager:
                 if table[i] != NULL_BLOCK:
                     pool.publish(table[i], hashes[i], parent, tokens)
         self._num_published[request_id] = max(done, num_computed_tokens // bs)
-        if request_id in self.pending_snapshots:
-            self._publish_snapshots(request_id, num_computed_tokens)
+        self._publish_snapshots(request_id, num_computed_tokens)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Release sliding-group blocks no later query can read."""
@@ -361,6 +367,7 @@ class KVManager:
         self._hits.pop(request_id, None)
         self._checkpoint_at.pop(request_id, None)
         self._prompt_boundary.pop(request_id, None)
+        self._scheduled.pop(request_id, None)
         rolling = self._rolling.pop(request_id, None)
         if rolling is not None:  # stays cached: the next turn of a chat resumes there
             self.checkpoints.entries[rolling].owner = None

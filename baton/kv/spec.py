@@ -37,6 +37,11 @@ class LayerKind:
         return LayerKind("mla", latent_dim=latent_dim)
 
     @staticmethod
+    def none() -> LayerKind:
+        """A layer with no KV cache and no state (an MLP- or MoE-only block): in no group."""
+        return LayerKind("none")
+
+    @staticmethod
     def recurrent(*state_shapes: tuple[int, ...]) -> LayerKind:
         if not state_shapes or any(d < 1 for s in state_shapes for d in s):
             raise ValueError(f"a recurrent layer needs non-empty state shapes, got {state_shapes}")
@@ -53,6 +58,10 @@ class LayerKind:
     @property
     def is_mla(self) -> bool:
         return self.name == "mla"
+
+    @property
+    def is_none(self) -> bool:
+        return self.name == "none"
 
 
 @dataclass(frozen=True)
@@ -102,7 +111,7 @@ class StateGroup:
 @dataclass(frozen=True)
 class KVSpec:
     groups: tuple[KVGroup, ...]  # paged groups: full, sliding, mla
-    layer_to_group: tuple[tuple[int, int] | None, ...]  # layer id -> (group, index in group); None: recurrent
+    layer_to_group: tuple[tuple[int, int] | None, ...]  # layer id -> (group, index in group); None: recurrent, none
     block_size: int
     state_groups: tuple[StateGroup, ...] = ()
     layer_to_state: tuple[tuple[int, int] | None, ...] = ()  # layer id -> (state group, index in group)
@@ -119,7 +128,7 @@ class KVSpec:
         by_kind: dict[LayerKind, list[int]] = {}
         for layer_id, kind in enumerate(layer_kinds):
             by_kind.setdefault(kind, []).append(layer_id)
-        paged = [(k, ids) for k, ids in by_kind.items() if not k.is_recurrent]
+        paged = [(k, ids) for k, ids in by_kind.items() if not k.is_recurrent and not k.is_none]
         groups = tuple(
             KVGroup(gid, kind, tuple(ids), 1 if kind.is_mla else num_kv_heads, kind.latent_dim or head_dim)
             for gid, (kind, ids) in enumerate(paged)

@@ -72,3 +72,32 @@ def run_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, 
         rows, slot = torch.where(ids == e)
         out.index_add_(0, rows, experts[e](x[rows]) * weights[rows, slot, None])
     return out
+
+
+def sigmoid_grouped_route(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = True,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3-style routing (also Kimi, NemotronH): sigmoid scores; the correction bias only
+    steers selection; experts in `n_group` contiguous groups, a group scored by the sum of its two
+    best biased scores, only the `topk_group` best groups eligible; top-k of those; the weights are
+    the unbiased scores, renormalized when `norm_topk_prob`, times `scaling`. logits [T, E] ->
+    (float32 weights, expert ids), both [T, top_k]."""
+    scores = logits.float().sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if n_group > 1:
+        t, e = choice.shape
+        group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids

@@ -1,0 +1,138 @@
+"""Recurrent-state hybrids on a random Qwen3-Next (Gated DeltaNet + gated attention + MoE):
+parity with transformers' full forward along every path, and prefix caching that hits."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from baton import LLM, SamplingParams
+from tests.test_random_models import make_model
+
+QWEN3_NEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    max_position_embeddings=4096,
+)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("qwen3-next"), "Qwen3NextForCausalLM", **QWEN3_NEXT)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def _rel(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
+def _full_logits(ref, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return ref(torch.tensor([ids]), use_cache=False).logits[0]
+
+
+def _tokens(out) -> list[int]:
+    return out.outputs[0].token_ids
+
+
+def test_reference_runs_its_torch_fallback():
+    for package in ("fla", "causal_conv1d", "mamba_ssm"):
+        assert importlib.util.find_spec(package) is None, f"{package} would replace transformers' torch reference"
+
+
+@pytest.mark.parametrize("chunk", [1024, 37, 100])
+def test_prefill_logits_match_full_forward_at_every_position(qwen3_next, chunk):
+    ref, path = qwen3_next
+    ids = _ids(150, 1)  # longer than 64, not a multiple of it
+    llm = LLM(str(path), progress=False, block_size=16, max_num_batched_tokens=chunk)
+    assert _rel(llm.prompt_logits({"prompt_token_ids": ids}), _full_logits(ref, ids)) < 1e-4
+
+
+def test_decode_prefix_hit_and_batch_composition_keep_the_reference_tokens(qwen3_next):
+    ref, path = qwen3_next
+    ids = _ids(150, 2)
+    llm = LLM(str(path), progress=False, block_size=16, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    first = llm.generate([{"prompt_token_ids": ids}], params)[0]
+    new = _tokens(first)
+    full = _full_logits(ref, ids + new).log_softmax(-1)
+    for i, (tok, entry) in enumerate(zip(new, first.outputs[0].logprobs)):
+        assert tok == full[len(ids) - 1 + i].argmax().item()
+        assert abs(entry[tok].logprob - full[len(ids) - 1 + i, tok].item()) < 1e-4
+    # resumed from the state checkpoint at 144 (the prompt's last block boundary): same tokens
+    again = llm.generate([{"prompt_token_ids": ids}], params)[0]
+    assert again.num_cached_tokens == 144 and _tokens(again) == new
+    assert [e[t].logprob for t, e in zip(new, again.outputs[0].logprobs)] == [
+        e[t].logprob for t, e in zip(new, first.outputs[0].logprobs)
+    ]
+    # the same prompt inside a batch of others, some sharing its prefix, others not
+    batch = [{"prompt_token_ids": p} for p in (_ids(90, 3), ids[:100] + _ids(30, 4), ids, _ids(200, 5))]
+    outs = LLM(str(path), progress=False, block_size=16, max_num_batched_tokens=97).generate(batch, GREEDY)
+    assert _tokens(outs[2]) == new
+    assert llm.engine.kv.all_free()
+
+
+def test_resume_after_preemption_gives_the_same_tokens(qwen3_next):
+    _, path = qwen3_next
+    prompts = [{"prompt_token_ids": _ids(60 + 7 * i, 10 + i)} for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = [_tokens(o) for o in LLM(str(path), progress=False, block_size=16).generate(prompts, params)]
+    for caching in (False, True):
+        small = LLM(
+            str(path), progress=False, block_size=16, num_kv_blocks=12, max_model_len=160, enable_prefix_caching=caching
+        )
+        assert [_tokens(o) for o in small.generate(prompts, params)] == expected
+        assert small.engine.scheduler.num_preemptions > 0
+        assert small.engine.kv.all_free()
+
+
+def test_prefix_cache_hits_on_repeats_shared_system_prompts_and_chat_turns(qwen3_next):
+    _, path = qwen3_next
+    cold = LLM(str(path), progress=False, block_size=16, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    # the same 1,000-token prompt twice
+    llm = LLM(str(path), progress=False, block_size=16)
+    prompt = {"prompt_token_ids": _ids(1000, 20)}
+    outs = [llm.generate([prompt], params)[0] for _ in range(2)]
+    assert outs[1].num_cached_tokens >= 976
+    assert _tokens(outs[1]) == _tokens(cold.generate([prompt], params)[0])
+    # a 300-token system prompt, then different 100-token suffixes, one at a time and 8 at once
+    system = _ids(300, 21)
+    prompts = [{"prompt_token_ids": system + _ids(100, 30 + i)} for i in range(10)]
+    expected = [_tokens(o) for o in cold.generate(prompts, params)]
+    for concurrency in (1, 8):
+        llm = LLM(str(path), progress=False, block_size=16)
+        outs = []
+        for i in range(0, len(prompts), concurrency):
+            outs += llm.generate(prompts[i : i + concurrency], params)
+        assert all(o.num_cached_tokens >= 288 for o in outs[2:]), [o.num_cached_tokens for o in outs]
+        assert [_tokens(o) for o in outs] == expected
+        assert llm.engine.kv.all_free()
+    # a chat: turn 2 resumes after turn 1's prompt and answer, rounded down to a block
+    llm = LLM(str(path), progress=False, block_size=16)
+    turn1 = _ids(200, 40)
+    answer = _tokens(llm.generate([{"prompt_token_ids": turn1}], SamplingParams(max_tokens=37, temperature=0.0))[0])
+    turn2 = {"prompt_token_ids": turn1 + answer + _ids(50, 41)}
+    out = llm.generate([turn2], params)[0]
+    assert out.num_cached_tokens == (len(turn1) + len(answer) - 1) // 16 * 16
+    assert _tokens(out) == _tokens(cold.generate([turn2], params)[0])
