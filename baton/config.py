@@ -39,11 +39,15 @@ class CacheConfig:
     """Storage dtype of the KV cache; defaults to the model dtype."""
     kv_layout: str = "NHD"
     """Axis order of stored K/V per layer: NHD = [slots, heads, dim], HND = [heads, slots, dim]."""
-    state_checkpoint_interval: int = 256
-    """Recurrent layers: checkpoint the state every this many tokens (a multiple of block_size),
-    besides the prompt's last block boundary, a request's end and where requests diverge."""
+    state_checkpoint_interval: int | None = None
+    """Recurrent layers: checkpoint the state every this many tokens (a multiple of block_size;
+    default 256 rounded up to one), besides the prompt's last block boundary, a request's end and
+    where requests diverge."""
     state_checkpoint_fraction: float = 0.25
     """Recurrent layers: the share of the KV budget (after running requests' state) for checkpoints."""
+
+    def checkpoint_interval(self) -> int:
+        return self.state_checkpoint_interval or -(-256 // self.block_size) * self.block_size
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -54,7 +58,8 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be NHD or HND, got {self.kv_layout!r}")
-        if self.state_checkpoint_interval < 0 or self.state_checkpoint_interval % self.block_size:
+        interval = self.state_checkpoint_interval
+        if interval is not None and (interval < 1 or interval % self.block_size):
             raise ValueError(
                 f"state_checkpoint_interval must be a multiple of block_size ({self.block_size}), "
                 f"got {self.state_checkpoint_interval}"

@@ -56,7 +56,7 @@ class LLMEngine:
         self.model, self.model_config = loaded.model, loaded.config
         if config.model.packed_linears and can_pack_linears(dtype):
             self.model.pack_linears()
-        self.model.fused_decode = config.model.fused_decode
+        self.model.fused_decode = config.model.fused_decode and self.model.fused_decode  # the model may lack it
         self.tokenizer = load_tokenizer(loaded.path, config.env.cache_dir, config.model.tokenizer)
         cache, sched = config.cache, config.scheduler
         kv_dtype = getattr(torch, cache.kv_cache_dtype or config.model.dtype)
@@ -80,7 +80,7 @@ class LLMEngine:
             cache.enable_prefix_caching,
             sizes.num_state_slots,
             num_checkpoints,
-            cache.state_checkpoint_interval,
+            cache.checkpoint_interval(),
         )
         self.max_model_len = self._max_model_len()
         self.storage = KVStorage(self.kv_spec, num_blocks, kv_dtype, cache.kv_layout)
@@ -115,7 +115,7 @@ class LLMEngine:
                 sizes.num_state_slots,
                 num_checkpoints,
                 self.states.nbytes() / 2**20,
-                cache.state_checkpoint_interval,
+                cache.checkpoint_interval(),
                 cache.block_size,
             )
 
@@ -211,7 +211,7 @@ class LLMEngine:
         plan = self.plan_import(blob, token_ids)
         req = Request(f"{request_id}#0", token_ids, params, self.eos_token_ids, self.max_model_len, prompt=text)
         req.bad_words_token_ids = bad_words
-        apply_import(self.kv, self.storage, req.request_id, plan)
+        apply_import(self.kv, self.storage, self.states, req.request_id, plan)
         req.num_computed_tokens = len(token_ids)
         # imported KV was computed elsewhere (maybe in another dtype): a salt keeps local requests
         # from hitting it in the prefix cache, so a hit never changes a local request's output
@@ -317,6 +317,7 @@ class LLMEngine:
                         req.prompt_token_ids,
                         result.token_ids[i],
                         req.export_kv,
+                        self.states,
                     )
                     req.kv_span = wire.encode(span, self.kv_secret)
                 self._append_token(req, result.token_ids[i], result.logprobs[i], result.sampled_logprobs[i])

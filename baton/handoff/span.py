@@ -6,6 +6,10 @@ groups the last `window` positions); *dense* spans one K and one V tensor over a
 positions, as a producer that knows nothing of groups would send. Axes are named by `layout`, a
 permutation of "LTHD" (layer, token position, KV head, head dim).
 
+Recurrent layers travel as `state` tensors: per state group and state tensor (`index`), the state
+of its layers after the whole prompt, [layers, *state shape] in float32, with `start` = n (the
+position the state is at). MLA layers' K holds their latent per token and their V is empty.
+
 A tensor may say, per layer, where its real K/V begin (`layer_starts`, one entry per entry of
 `layer_ids`, each >= `start`); positions before a layer's start are zeros and never read. A dense
 export needs it: a sliding layer no longer holds the positions that fell out of its window (after a
@@ -30,11 +34,12 @@ SPAN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
 
 @dataclass
 class SpanTensor:
-    kind: str  # "k" or "v"
+    kind: str  # "k", "v" or "state"
     layer_ids: tuple[int, ...]
     start: int  # first position held; the tensor holds positions [start, start + T)
     data: torch.Tensor  # axes in the span's layout
     layer_starts: tuple[int, ...] | None = None  # per layer, first real position; None: all from `start`
+    index: int | None = None  # state tensors: which of the layer kind's state tensors
 
 
 @dataclass
@@ -63,6 +68,10 @@ def model_fingerprint(
         "architecture": cfg.architecture,
         "num_layers": cfg.num_layers,
         "layer_kinds": [[k.name, k.window] for k in cfg.layer_kinds],
+        "layer_geometry": [
+            {"state_shapes": [list(s) for s in k.state_shapes]} if k.is_recurrent else k.latent_dim
+            for k in cfg.layer_kinds
+        ],
         "num_kv_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
         "rope": {kind: vars(r) for kind, r in sorted(cfg.rope.items())},

@@ -8,6 +8,7 @@ import torch
 from baton.handoff.span import AXES, KVSpan, SpanTensor, to_layout
 from baton.handoff.validate import ImportPlan
 from baton.kv.manager import NULL_BLOCK, KVManager
+from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
 
 
@@ -35,6 +36,7 @@ def export_span(
     prompt_token_ids: list[int],
     first_token: int,
     fmt: str = "grouped",
+    states: StateStorage | None = None,
 ) -> KVSpan:
     """Grouped: one K and V per group, sliding groups their last `window` positions.
     Dense: one K and V over all layers and positions; each layer's `layer_starts` entry says from
@@ -44,6 +46,12 @@ def export_span(
         raise ValueError(f"span format must be 'grouped' or 'dense', not {fmt!r}")
     n = len(prompt_token_ids)
     span = KVSpan(fingerprint, list(prompt_token_ids), first_token, storage.span_layout, str(storage.dtype)[6:])
+    if kv.spec.has_state:  # the slot holds the state after the whole prompt: position n
+        assert states is not None
+        slot = kv.state_slots[request_id]
+        for sg in kv.spec.state_groups:
+            for j, t in enumerate(states.running[sg.group_id]):
+                span.tensors.append(SpanTensor("state", sg.layer_ids, n, t[:, slot].clone(), None, j))
     if fmt == "grouped":
         for g in kv.spec.groups:
             start = max(0, n - g.kind.window) if g.kind.is_sliding else 0
@@ -53,10 +61,10 @@ def export_span(
                 span.tensors.append(SpanTensor(kind, g.layer_ids, start, held))
         return span
     num_layers = fingerprint["num_layers"]
-    layer_starts = [0] * num_layers
+    layer_starts = [n] * num_layers  # layers without K/V (recurrent) hold nothing
     dense = {}
     for kind in "kv":
-        first = storage.group_view(0)[0]
+        first = storage.group_view(0)["kv".index(kind)]
         dense[kind] = torch.zeros((num_layers, n, *first.shape[2:]), dtype=storage.dtype)
     for g in kv.spec.groups:
         start = min(held_start(kv, request_id, g.group_id), n)
@@ -71,10 +79,12 @@ def export_span(
     return span
 
 
-def apply_import(kv: KVManager, storage: KVStorage, request_id: str, plan: ImportPlan) -> None:
+def apply_import(kv: KVManager, storage: KVStorage, states: StateStorage, request_id: str, plan: ImportPlan) -> None:
     """Allocate and write; only called with a plan that `plan_import` has checked."""
     if not kv.allocate_for_import(request_id, len(plan.prompt_token_ids)):
         raise RuntimeError("free blocks vanished between validation and import")  # single owner: cannot happen
+    for gid, j, t in plan.states:
+        states.running[gid][j][:, kv.state_slots[request_id]].copy_(t)
     for w in plan.writes:
         slots = _slots(kv, request_id, w.group_id, w.positions)
         k, v = storage.group_view(w.group_id)

@@ -22,7 +22,8 @@ from baton.handoff import wire
 from baton.handoff.errors import InvalidKVImport
 from baton.handoff.span import AXES, SPAN_DTYPES, to_layout
 from baton.kv.manager import KVManager
-from baton.kv.spec import KVGroup
+from baton.kv.prefix import needed_start, resumable_prefix
+from baton.kv.spec import STATE_DTYPE, KVGroup, KVSpec
 
 __all__ = ["GroupWrite", "ImportPlan", "InvalidKVImport", "plan_import"]  # InvalidKVImport: old import path
 
@@ -41,6 +42,7 @@ class ImportPlan:
     first_token: int
     source_dtype: str
     writes: list[GroupWrite]
+    states: list[tuple[int, int, torch.Tensor]]  # (state group, state tensor index, [layers, *shape] float32)
 
 
 @dataclass
@@ -54,6 +56,7 @@ class _Source:
     dtype: str
     shape: list[int]
     raw: memoryview
+    index: int | None = None
 
     def first_real(self, layer_ids: tuple[int, ...]) -> int:
         """First position from which all of `layer_ids` hold real K/V."""
@@ -128,33 +131,60 @@ def check_header(header: dict, fingerprint: dict, vocab_size: int, expected_toke
     _check(isinstance(tensors, list) and tensors, "tensors", "a non-empty list", tensors)
 
 
-def check_tensor(
-    i: int, e: Any, n: int, layout: str, layer_sets: set[tuple[int, ...]], geometry: dict, body: memoryview
-) -> _Source:
+class _Receiver:
+    """What this worker's spec lets a span tensor be: which layer sets, shapes and positions."""
+
+    def __init__(self, spec: KVSpec, num_layers: int) -> None:
+        self.spec = spec
+        self.all_layers = tuple(range(num_layers))
+        self.recurrent_layers = tuple(i for i, s in enumerate(spec.layer_to_state) if s is not None)
+        self.kv_sets = {g.layer_ids for g in spec.groups} | {self.all_layers}
+        self.state_sets = {g.layer_ids for g in spec.state_groups} | {self.recurrent_layers}
+
+    def kv_geometry(self, kind: str, layers: tuple[int, ...]) -> dict:
+        groups = [g for g in self.spec.groups if g.layer_ids == layers] or list(self.spec.groups)
+        geometries = {(g.num_kv_heads, g.head_dim if kind == "k" else g.v_head_dim) for g in groups}
+        _check(len(geometries) == 1, "layer_to_group", "a tensor per group (KV geometries differ)", list(layers))
+        heads, dim = geometries.pop()
+        return {"H": heads, "D": dim}
+
+    def state_shape(self, layers: tuple[int, ...], index: Any) -> list[int]:
+        shapes = self.spec.state_groups[self.spec.layer_to_state[layers[0]][0]].state_shapes
+        _check(_int(index, 0, len(shapes) - 1), "state_index", f"an index in [0, {len(shapes)})", index)
+        return [len(layers), *shapes[index]]
+
+
+def check_tensor(i: int, e: Any, n: int, layout: str, receiver: _Receiver, body: memoryview) -> _Source:
     f = f"tensors[{i}]"
     _check(isinstance(e, dict), f, "an object", type(e).__name__)
     kind, layers = e.get("kind"), e.get("layer_ids")
-    _check(isinstance(kind, str) and kind in ("k", "v"), f"{f}.kind", "'k' or 'v'", kind)
-    layers = tuple(layers) if _ints(layers) else None
+    _check(isinstance(kind, str) and kind in ("k", "v", "state"), f"{f}.kind", "'k', 'v' or 'state'", kind)
+    layers = tuple(layers) if _ints(layers) and layers else None
+    sets = receiver.state_sets if kind == "state" else receiver.kv_sets
     _check(
-        layers in layer_sets,
+        layers in sets,
         "layer_to_group",
-        f"one of the receiver's groups or all layers: {sorted(layer_sets)}",
+        f"one of the receiver's groups or all layers: {sorted(sets)}",
         e.get("layer_ids"),
     )
     dtype = e.get("dtype")
     _check(isinstance(dtype, str) and dtype in SPAN_DTYPES, "dtype", f"one of {sorted(SPAN_DTYPES)}", dtype)
     start = e.get("start")
-    _check(_int(start, 0, n - 1), "positions", f"a start in [0, {n})", start)
-    starts = e.get("layer_starts", [start] * len(layers))
-    _check(
-        _ints(starts, start, n) and len(starts) == len(layers),
-        f"{f}.layer_starts",
-        f"{len(layers)} positions in [{start}, {n}]",
-        starts,
-    )
-    want = {"L": len(layers), "T": n - start, **geometry}
-    expected_shape = [want[a] for a in layout]
+    if kind == "state":
+        _check(_int(start) and start == n, "state_position", f"the state after the prompt, at {n}", start)
+        starts = [n] * len(layers)
+        expected_shape = receiver.state_shape(layers, e.get("index"))
+    else:
+        _check(_int(start, 0, n - 1), "positions", f"a start in [0, {n})", start)
+        starts = e.get("layer_starts", [start] * len(layers))
+        _check(
+            _ints(starts, start, n) and len(starts) == len(layers),
+            f"{f}.layer_starts",
+            f"{len(layers)} positions in [{start}, {n}]",
+            starts,
+        )
+        want = {"L": len(layers), "T": n - start, **receiver.kv_geometry(kind, layers)}
+        expected_shape = [want[a] for a in layout]
     shape = e.get("shape")
     _check(_ints(shape) and shape == expected_shape, "shape", expected_shape, shape)
     size = math.prod(expected_shape) * SPAN_DTYPES[dtype].itemsize
@@ -165,12 +195,7 @@ def check_tensor(
     raw = body[offset : offset + nbytes]
     digest = e.get("xxh64")
     _check(isinstance(digest, str) and wire.checksum(raw) == digest, "checksum", digest, wire.checksum(raw))
-    return _Source(kind, layers, start, starts, dtype, shape, raw)
-
-
-def _need_start(group: KVGroup, n: int) -> int:
-    """First position the next query (at position n) can read in this group."""
-    return max(0, n - group.kind.window + 1) if group.kind.is_sliding else 0
+    return _Source(kind, layers, start, starts, dtype, shape, raw, e.get("index"))
 
 
 def plan_import(
@@ -188,40 +213,69 @@ def plan_import(
     spec = kv.spec
     n = len(header["prompt_token_ids"])
     layout = header["layout"]
-    all_layers = tuple(range(fingerprint["num_layers"]))
-    layer_sets = {g.layer_ids for g in spec.groups} | {all_layers}
-    geometry = {"H": spec.groups[0].num_kv_heads, "D": spec.groups[0].head_dim}
-    sources: dict[tuple[str, tuple[int, ...]], _Source] = {}
+    receiver = _Receiver(spec, fingerprint["num_layers"])
+    sources: dict[tuple[str, tuple[int, ...], int | None], _Source] = {}
     for i, e in enumerate(header["tensors"]):
-        src = check_tensor(i, e, n, layout, layer_sets, geometry, body)
-        key = (src.kind, src.layer_ids)
+        src = check_tensor(i, e, n, layout, receiver, body)
+        key = (src.kind, src.layer_ids, src.index)
         _check(key not in sources, f"tensors[{i}].layer_ids", "each layer once per kind", f"{key[0]} {key[1]} twice")
         sources[key] = src
-    plans = []
-    for g in spec.groups:
-        need = _need_start(g, n)
-        picked = {}
+    picked: dict[tuple[int, str], _Source] = {}
+    problems: list[InvalidKVImport] = []
+
+    def has_positions(g: KVGroup, lo: int, hi: int) -> bool:
         for kind in ("k", "v"):
-            src = sources.get((kind, g.layer_ids)) or sources.get((kind, all_layers))
-            _check(src is not None, "layer_to_group", f"{kind} for layers {g.layer_ids}", "no tensor holding them")
+            src = sources.get((kind, g.layer_ids, None)) or sources.get((kind, receiver.all_layers, None))
+            if src is None:
+                problems.append(InvalidKVImport("layer_to_group", f"{kind} for layers {g.layer_ids}", "no tensor"))
+                return False
             first = src.first_real(g.layer_ids)
-            if not g.kind.is_sliding:
-                _check(first == 0, "positions", f"full-attention layers {g.layer_ids} from position 0", first)
-            _check(first <= need, "sliding_coverage", f"positions from {need} (window {g.kind.window})", first)
-            picked[kind] = src
-        plans.append((g, need, picked))
+            if first > lo:
+                what = "from position 0" if not g.kind.is_sliding else f"from {lo} (window {g.kind.window})"
+                field = "sliding_coverage" if g.kind.is_sliding else "positions"
+                problems.append(InvalidKVImport(field, f"{g.kind.name} layers {g.layer_ids} {what}", first))
+                return False
+            picked[(g.group_id, kind)] = src
+        return True
+
+    states: list[tuple[int, int, _Source]] = []
+
+    def has_state(num_tokens: int) -> bool:
+        for sg in spec.state_groups:
+            for j in range(len(sg.state_shapes)):
+                src = sources.get(("state", sg.layer_ids, j)) or sources.get(("state", receiver.recurrent_layers, j))
+                if src is None:
+                    problems.append(InvalidKVImport("state", f"state {j} of layers {sg.layer_ids} at {n}", "none"))
+                    return False
+                states.append((sg.group_id, j, src))
+        return True
+
+    # the one rule for what a prefix can resume from (kv/prefix.py), asked about the whole prompt
+    if resumable_prefix(spec, [n], has_positions, has_state) != n:
+        raise problems[0] if problems else InvalidKVImport("positions", f"KV and state for all {n} positions", "less")
     needed = kv.blocks_for_import(n)
     for g, blocks in zip(spec.groups, needed):
         free = kv.num_free_blocks(g.group_id)
         _check(blocks <= free, "free_blocks", f">= {blocks} free in group {g.group_id}", free)
+    if spec.has_state:
+        _check(len(kv.free_slots) > 0, "free_state_slots", ">= 1 free recurrent-state slot", 0)
     writes = []
-    for g, need, picked in plans:
+    for g in spec.groups:
+        need = needed_start(g, n)
         out = {}
-        for kind, src in picked.items():
+        for kind in ("k", "v"):
+            src = picked[(g.group_id, kind)]
             t = to_layout(wire.tensor_from_bytes(src.raw, SPAN_DTYPES[src.dtype], src.shape), layout, AXES)
             if src.layer_ids != g.layer_ids:  # dense: pick this group's layers
                 t = t[list(g.layer_ids)]
             out[kind] = t[:, need - src.start :].to(kv_dtype).contiguous()  # only real positions
         writes.append(GroupWrite(g.group_id, np.arange(need, n), out["k"], out["v"]))
-    dtypes = sorted({s.dtype for s in sources.values()})
-    return ImportPlan(list(header["prompt_token_ids"]), header["first_token"], "+".join(dtypes), writes)
+    state_writes = []
+    for gid, j, src in states:
+        t = wire.tensor_from_bytes(src.raw, SPAN_DTYPES[src.dtype], src.shape)
+        if src.layer_ids != spec.state_groups[gid].layer_ids:  # all recurrent layers: pick this group's
+            t = t[[src.layer_ids.index(i) for i in spec.state_groups[gid].layer_ids]]
+        state_writes.append((gid, j, t.to(STATE_DTYPE).contiguous()))
+    dtypes = sorted({s.dtype for s in sources.values() if s.kind != "state"})
+    tokens = list(header["prompt_token_ids"])
+    return ImportPlan(tokens, header["first_token"], "+".join(dtypes), writes, state_writes)

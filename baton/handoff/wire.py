@@ -64,6 +64,8 @@ def encode(span: KVSpan, secret: bytes) -> bytes:
         }
         if t.layer_starts is not None:
             entry["layer_starts"] = list(t.layer_starts)
+        if t.index is not None:
+            entry["index"] = t.index
         entries.append(entry)
         body.append(raw)
         offset += len(raw)
@@ -180,7 +182,7 @@ def build_span(header: dict, tensors: list[torch.Tensor]) -> KVSpan:
         layout=header["layout"],
         dtype=header["dtype"],
         tensors=[
-            SpanTensor(e["kind"], tuple(e["layer_ids"]), int(e["start"]), t, e.get("layer_starts"))
+            SpanTensor(e["kind"], tuple(e["layer_ids"]), int(e["start"]), t, e.get("layer_starts"), e.get("index"))
             for e, t in zip(header["tensors"], tensors)
         ],
     )

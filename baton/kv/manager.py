@@ -325,6 +325,11 @@ class KVManager:
         need = self.blocks_for_import(num_tokens)
         if request_id in self.block_tables or any(n > p.num_free for n, p in zip(need, self.pools)):
             return False
+        if self.spec.has_state:  # the span brings the state at num_tokens: no restore
+            if not self.free_slots:
+                return False
+            self.state_slots[request_id] = self.free_slots.popleft()
+            self._prompt_boundary[request_id] = (num_tokens - 1) // self.block_size * self.block_size
         tables = []
         for g, n in zip(self.spec.groups, need):
             first = self._window_start_block(g, num_tokens)

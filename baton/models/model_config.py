@@ -107,7 +107,8 @@ def parse_hf_config(
     is_gemma3 = architecture == "Gemma3ForCausalLM"
     if "text_config" in cfg:
         cfg = {**cfg["text_config"]}
-    num_layers = int(cfg["num_hidden_layers"])
+    pattern = cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern") or []  # NemotronH
+    num_layers = int(cfg.get("num_hidden_layers") or len(pattern))
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     rope_params = cfg.get("rope_parameters") or {}
@@ -128,7 +129,7 @@ def parse_hf_config(
             )
         rope = {"full": r, "sliding": r}
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if is_gemma3 else "silu")
-    if act not in ("silu", "gelu_pytorch_tanh"):
+    if layer_kinds_from is None and act not in ("silu", "gelu_pytorch_tanh"):  # hybrids read their own
         raise ValueError(f"unsupported activation {act!r}; supported: silu, gelu_pytorch_tanh")
     return TextModelConfig(
         architecture=architecture,
@@ -140,7 +141,7 @@ def parse_hf_config(
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=int(cfg.get("head_dim") or hidden // num_heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or cfg.get("model_max_length") or 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma3)),
         layer_kinds=layer_kinds_from(cfg)
         if layer_kinds_from

@@ -74,30 +74,60 @@ def run_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, 
     return out
 
 
-def sigmoid_grouped_route(
-    logits: torch.Tensor,
-    correction_bias: torch.Tensor | None,
-    top_k: int,
-    n_group: int = 1,
-    topk_group: int = 1,
-    norm_topk_prob: bool = True,
-    scaling: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3-style routing (also Kimi, NemotronH): sigmoid scores; the correction bias only
-    steers selection; experts in `n_group` contiguous groups, a group scored by the sum of its two
-    best biased scores, only the `topk_group` best groups eligible; top-k of those; the weights are
-    the unbiased scores, renormalized when `norm_topk_prob`, times `scaling`. logits [T, E] ->
-    (float32 weights, expert ids), both [T, top_k]."""
-    scores = logits.float().sigmoid()
-    choice = scores if correction_bias is None else scores + correction_bias.float()
-    if n_group > 1:
-        t, e = choice.shape
-        group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(dim=-1)
-        keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), float("-inf"))
-    ids = choice.topk(top_k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
+class SigmoidRouter(nn.Module):
+    """DeepSeek-V3-style router (Kimi Linear): sigmoid scores; a per-expert correction bias that
+    steers the selection only; experts chosen within the `topk_group` best of `n_group` contiguous
+    groups (a group scores the sum of its two best biased scores); weights are the unbiased scores
+    of the chosen experts, renormalized when `norm_topk_prob`, times `routed_scaling_factor`.
+    Its weights stay plain parameters (never packed): routing runs in float32 like transformers'."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int = 1,
+        topk_group: int = 1,
+        norm_topk_prob: bool = True,
+        routed_scaling_factor: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if n_group > 1 and (num_experts % n_group or num_experts // n_group < 2):
+            raise ValueError(f"{num_experts} experts do not split into {n_group} groups of two or more")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.n_group, self.topk_group = n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights float32, expert ids), both [T, top_k]."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        t, g = x.shape[0], self.n_group
+        if g > 1:  # one group is always kept
+            group_scores = choice.view(t, g, -1).topk(2, dim=-1)[0].sum(dim=-1)
+            groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // g, dim=1), float("-inf"))
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class GroupedSigmoidMoE(nn.Module):
+    """SigmoidRouter over `num_experts` gated-SiLU experts (each run only on its tokens) plus an
+    ungated shared expert of width `shared_intermediate_size` (none when 0) on every token."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, shared_intermediate_size: int, **router) -> None:
+        super().__init__()
+        self.gate = SigmoidRouter(hidden_size, **router)
+        self.experts = nn.ModuleList([MLP(hidden_size, intermediate_size) for _ in range(self.gate.num_experts)])
+        self.shared_experts = MLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = run_experts(self.experts, x, weights.to(x.dtype), ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)

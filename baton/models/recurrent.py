@@ -59,6 +59,7 @@ def causal_conv1d(
     """Depthwise causal conv of rows x [n, C] continuing from conv_state [C, K-1] (the K-1 inputs
     before them), which is updated in place. weight [C, K]. Returns [n, C], before activation."""
     window = torch.cat((conv_state.t(), x.to(conv_state.dtype)), dim=0)  # [K-1+n, C]
+    bias = None if bias is None else bias.to(window.dtype)
     out = F.conv1d(window.t()[None], weight[:, None, :].to(window.dtype), bias, groups=weight.shape[0])[0].t()
     conv_state.copy_(window[window.shape[0] - conv_state.shape[1] :].t())
     return out.to(x.dtype)

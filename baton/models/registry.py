@@ -5,7 +5,9 @@ from __future__ import annotations
 from torch import nn
 
 from baton.models.gemma3 import Gemma3ForCausalLM
+from baton.models.kimi_linear import KimiLinearForCausalLM
 from baton.models.llama import LlamaForCausalLM
+from baton.models.nemotron_h import NemotronHForCausalLM
 from baton.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -15,6 +17,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "KimiLinearForCausalLM": KimiLinearForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
 

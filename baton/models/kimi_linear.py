@@ -1,0 +1,231 @@
+"""Kimi Linear: Kimi Delta Attention layers (short causal convs on q, k and v, then a gated delta
+rule with a per-channel decay; a constant-size state per request) beside NoPE multi-head latent
+attention layers (a paged latent cache, baton/models/mla.py), and a sigmoid-routed MoE with a
+shared expert after the first dense layer(s).
+
+Weights are read under the names of the original checkpoint, which is also how transformers
+saves the model: self_attn.{q,k,v}_conv1d, self_attn.{f_a_proj,f_b_proj,dt_bias,A_log},
+block_sparse_moe.experts.{e}.w1/w2/w3."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.kv.spec import LayerKind
+from baton.models.layers import RMSNorm
+from baton.models.llama import ForwardContext, LlamaForCausalLM
+from baton.models.mla import MLAttention
+from baton.models.model_config import TextModelConfig
+from baton.models.moe import MLP, GroupedSigmoidMoE
+from baton.models.recurrent import causal_conv1d, scan, segments
+
+
+def _get(hf: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """The first of `keys` the config sets (checkpoint names and transformers' aliases)."""
+    return next((hf[k] for k in keys if hf.get(k) is not None), default)
+
+
+def kda_dims(hf: dict[str, Any]) -> tuple[int, int, int]:
+    """(heads, head dim, conv kernel) of the KDA layers: linear_attn_config wins, as in transformers."""
+    lin = hf.get("linear_attn_config") or {}
+    heads = lin.get("num_heads", hf.get("linear_num_heads", 32))
+    dim = lin.get("head_dim", hf.get("linear_head_dim", 128))
+    kernel = lin.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4))
+    return int(heads), int(dim), int(kernel)
+
+
+def layer_types(hf: dict[str, Any]) -> list[str]:
+    """layer_types, else linear_attn_config's 1-indexed layer lists, else full iff i > 0 and i % 4 == 0."""
+    n = int(hf["num_hidden_layers"])
+    if hf.get("layer_types"):
+        return list(hf["layer_types"])
+    lin = hf.get("linear_attn_config") or {}
+    if "full_attn_layers" in lin and "kda_layers" in lin:
+        types: list[str | None] = [None] * n
+        for i in lin["full_attn_layers"]:
+            types[int(i) - 1] = "full_attention"
+        for i in lin["kda_layers"]:
+            types[int(i) - 1] = "linear_attention"
+        if None in types:
+            raise ValueError(f"linear_attn_config does not give every one of the {n} layers a type")
+        return types  # type: ignore[return-value]
+    return ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+
+
+def mlp_layer_types(hf: dict[str, Any]) -> list[str]:
+    if hf.get("mlp_layer_types"):
+        return list(hf["mlp_layer_types"])
+    first_dense = int(_get(hf, "first_k_dense_replace", default=1))
+    return ["dense" if i < first_dense else "sparse" for i in range(int(hf["num_hidden_layers"]))]
+
+
+def layer_kinds(hf: dict[str, Any]) -> list[LayerKind]:
+    heads, dim, kernel = kda_dims(hf)
+    recurrent = LayerKind.recurrent((3 * heads * dim, kernel - 1), (heads, dim, dim))
+    latent = int(hf.get("kv_lora_rank", 512)) + int(hf.get("qk_rope_head_dim", 64))
+    kinds = {"linear_attention": recurrent, "full_attention": LayerKind.mla(latent)}
+    try:
+        return [kinds[t] for t in layer_types(hf)]
+    except KeyError as e:
+        raise ValueError(f"unsupported Kimi Linear layer type {e.args[0]!r}") from None
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)  # divide, as FLA / transformers do
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.heads, self.dim, kernel = kda_dims(cfg.hf)
+        hd = self.heads * self.dim
+        # one projection of x: q | k | v | f_a (forget-gate low rank) | g_a (output-gate low rank) | b
+        self.in_rows = {"q_proj": hd, "k_proj": hd, "v_proj": hd, "f_a_proj": self.dim, "g_a_proj": self.dim}
+        self.in_rows["b_proj"] = self.heads
+        self.in_proj = nn.Linear(cfg.hidden_size, sum(self.in_rows.values()), bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(3 * hd, kernel))  # depthwise, channels [q | k | v]
+        self.f_b_proj = nn.Linear(self.dim, hd, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(hd))
+        self.A_log = nn.Parameter(torch.empty(self.heads))
+        self.g_b_proj = nn.Linear(self.dim, hd, bias=False)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(self.dim))
+        self.o_proj = nn.Linear(hd, cfg.hidden_size, bias=False)
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n, h, d = x.shape[0], self.heads, self.dim
+        qkv, f_a, g_a, b = torch.split(self.in_proj(x), [3 * h * d, d, d, h], dim=1)
+        (conv_state, rec_state), (conv_ckpt, rec_ckpt) = ctx.states.layer(self.layer_id)
+        segs = list(segments(ctx.state_meta))
+        conv_out = torch.empty_like(qkv)
+        for s in segs:
+            conv_out[s.lo : s.hi] = causal_conv1d(qkv[s.lo : s.hi], conv_state[s.slot], self.conv_weight, None)
+            if s.checkpoint is not None:
+                conv_ckpt[s.checkpoint].copy_(conv_state[s.slot])
+        q, k, v = F.silu(conv_out).float().view(n, 3, h, d).unbind(1)
+        q, k = l2norm(q) * d**-0.5, l2norm(k)
+        raw = self.f_b_proj(f_a.contiguous()).float().view(n, h, d) + self.dt_bias.float().view(h, d)
+        decay = -self.A_log.float().exp()[:, None] * F.softplus(raw)  # [n, h, d]: per key channel
+        beta = b.float().sigmoid()
+        out = torch.empty((n, h, d), dtype=torch.float32)
+        for s in segs:
+            rows = slice(s.lo, s.hi)
+            out[rows] = scan(q[rows], k[rows], v[rows], decay[rows], beta[rows], rec_state[s.slot])
+            if s.checkpoint is not None:
+                rec_ckpt[s.checkpoint].copy_(rec_state[s.slot])
+        gate = self.g_b_proj(g_a.contiguous()).float().view(n, h, d)
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
+        return self.o_proj((out * gate.sigmoid()).to(x.dtype).reshape(n, -1))
+
+
+class KimiDecoderLayer(nn.Module):
+    def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
+        super().__init__()
+        hf = cfg.hf
+        self.recurrent = cfg.layer_kinds[layer_id].is_recurrent
+        self.self_attn = KimiDeltaAttention(cfg, layer_id) if self.recurrent else MLAttention(cfg, layer_id)
+        if mlp_layer_types(hf)[layer_id] == "sparse":
+            moe_size = int(hf["moe_intermediate_size"])
+            self.mlp = GroupedSigmoidMoE(
+                cfg.hidden_size,
+                moe_size,
+                moe_size * int(_get(hf, "num_shared_experts", "n_shared_experts", default=0)),
+                num_experts=int(_get(hf, "num_experts", "num_local_experts")),
+                top_k=int(_get(hf, "num_experts_per_token", "num_experts_per_tok")),
+                n_group=int(_get(hf, "num_expert_group", "n_group", default=1)),
+                topk_group=int(_get(hf, "topk_group", default=1)),
+                norm_topk_prob=bool(_get(hf, "moe_renormalize", "norm_topk_prob", default=True)),
+                routed_scaling_factor=float(_get(hf, "routed_scaling_factor", default=1.0)),
+            )
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, ctx)
+        return self.mlp(self.post_attention_layernorm(h, residual)), residual
+
+
+class KimiLinearForCausalLM(LlamaForCausalLM):
+    """No rotary anywhere (NoPE MLA); no fused C++ decode step (it knows neither KDA nor MLA)."""
+
+    layer_cls = KimiDecoderLayer
+    layer_kinds_from = staticmethod(layer_kinds)
+
+    def __init__(self, cfg: TextModelConfig) -> None:
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"Kimi Linear supports hidden_act silu, got {cfg.hidden_act!r}")
+        super().__init__(cfg)
+        self.rotary = nn.ModuleDict()
+        self.layer_kinds = []
+        self.fused_decode = False
+        self._weight_map: dict[str, tuple[str, int | None, tuple[int, ...]]] | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, ctx)
+        return self.norm(x, residual)
+
+    def _fused_decoder_for(self, storage):  # the engine sets fused_decode from its config: never fuse
+        return None
+
+    # ---- weights: checkpoint names in, fused parameters out ------------------------------------
+    def _hf_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int | None, tuple[int, ...]]]:
+        """The checkpoint tensors (name, first row in the parameter or None for all of it, shape)
+        that parameter `name` is made of."""
+        hf = name if name.startswith("lm_head.") else f"model.{name}"
+        hf = hf.replace(".mlp.", ".block_sparse_moe.")
+        if hf.endswith(".self_attn.in_proj.weight"):
+            rows = self.layers[int(name.split(".")[1])].self_attn.in_rows
+            starts = [sum(list(rows.values())[:i]) for i in range(len(rows))]
+            return [
+                (hf.replace("in_proj", part), start, (r, shape[1])) for (part, r), start in zip(rows.items(), starts)
+            ]
+        if hf.endswith(".self_attn.conv_weight"):
+            c = shape[0] // 3
+            return [
+                (hf.replace("conv_weight", f"{p}_conv1d.weight"), i * c, (c, 1, shape[1])) for i, p in enumerate("qkv")
+            ]
+        if hf.endswith(".self_attn.A_log"):
+            return [(hf, None, (1, 1, shape[0], 1))]
+        if hf.endswith(".gate_up_proj.weight"):
+            half = shape[0] // 2
+            parts = ("w1", "w3") if ".experts." in hf else ("gate_proj", "up_proj")
+            return [(hf.replace("gate_up_proj", part), i * half, (half, shape[1])) for i, part in enumerate(parts)]
+        if ".experts." in hf and hf.endswith(".down_proj.weight"):
+            return [(hf.replace("down_proj", "w2"), None, shape)]
+        return [(hf, None, shape)]
+
+    def _weights(self) -> dict[str, tuple[str, int | None, tuple[int, ...]]]:
+        if self._weight_map is None:
+            self._weight_map = {
+                hf: (name, start, shape)
+                for name, p in self.named_parameters()
+                for hf, start, shape in self._hf_parts(name, tuple(p.shape))
+            }
+        return self._weight_map
+
+    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {hf: shape for hf, (_, _, shape) in self._weights().items()}
+
+    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
+        # the original checkpoint names its dense MLP(s) `mlp.`; transformers saves `block_sparse_moe.`
+        name, start, shape = self._weights()[hf_name.replace(".mlp.", ".block_sparse_moe.")]
+        param = self.get_parameter(name).data
+        dst = param if start is None else param[start : start + shape[0]]
+        dst.copy_(tensor.reshape(dst.shape))

@@ -1,0 +1,127 @@
+"""Multi-head latent attention (DeepSeek-V2 shapes) without rotary, as in Kimi Linear: the paged
+cache holds one normalized latent c [R] and one key part kr [dr] shared by every head per token.
+
+Prefill expands the context's latents through kv_b_proj into per-head K_nope and V and runs
+causal attention over KV tiles; decode absorbs W_UK into the query and W_UV into the output, so
+it reads only the cached latents."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.models.layers import GroupAttnMetadata, PrefillSeq, RMSNorm
+from baton.models.model_config import TextModelConfig
+
+LATENT_NORM_EPS = 1e-6  # kv_a_layernorm / q_a_layernorm are built without eps: the class default
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
+        super().__init__()
+        hf = cfg.hf
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_heads
+        self.rank = int(hf.get("kv_lora_rank", 512))
+        self.dn = int(hf.get("qk_nope_head_dim", 128))
+        self.dr = int(hf.get("qk_rope_head_dim", 64))
+        self.dv = int(hf.get("v_head_dim") or 128)
+        self.scale = (self.dn + self.dr) ** -0.5
+        h, q_out, bias = cfg.hidden_size, self.num_heads * (self.dn + self.dr), bool(hf.get("attention_bias", False))
+        q_lora = hf.get("q_lora_rank")
+        if q_lora:
+            self.q_a_proj = nn.Linear(h, int(q_lora), bias=bias)
+            self.q_a_layernorm = RMSNorm(int(q_lora), LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(int(q_lora), q_out, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.rank + self.dr, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        # A plain parameter, not an nn.Linear: pack_linears leaves it dense, since decode reads its
+        # per-head W_UK / W_UV blocks and prefill expands latents through it.
+        self.kv_b_proj = nn.Module()
+        self.kv_b_proj.weight = nn.Parameter(torch.empty(self.num_heads * (self.dn + self.dv), self.rank))
+        self.o_proj = nn.Linear(self.num_heads * self.dv, h, bias=bias)
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, dn, R] and W_UV [H, dv, R]: views of kv_b_proj's weight."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.rank)
+        return w[:, : self.dn], w[:, self.dn :]
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(n, self.num_heads, self.dn + self.dr)
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = torch.cat((self.kv_a_layernorm(ckv[:, : self.rank].contiguous()), ckv[:, self.rank :]), dim=-1)
+        k_cache, _, meta = ctx.for_layer(self.layer_id)  # k_cache [slots, 1, R + dr]; no V
+        k_cache.index_copy_(0, meta.slot_mapping, latent[:, None].to(k_cache.dtype))
+        out = torch.empty((n, self.num_heads, self.dv), dtype=x.dtype)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache[:, 0], meta)
+        for p in meta.prefills:
+            out[p.q_start : p.q_end] = self._prefill(q[p.q_start : p.q_end], latent, k_cache[:, 0], p)
+        return self.o_proj(out.reshape(n, -1))
+
+    def _decode(self, q: torch.Tensor, cache: torch.Tensor, meta: GroupAttnMetadata) -> torch.Tensor:
+        """Absorbed attention of single-token queries q [nd, H, dn + dr] over their cached latents."""
+        bs, blocks = meta.block_size, meta.decode_block_ids
+        lens, longest = meta.decode_kv_lens, int(meta.decode_kv_lens.max())
+        pos = torch.arange(longest)[None, :] + meta.decode_kv_offsets[:, None]  # within the listed blocks
+        valid = torch.arange(longest)[None, :] < lens[:, None]
+        block = blocks.gather(1, (pos // bs).clamp(max=blocks.shape[1] - 1))
+        slots = torch.where(valid, block * bs + pos % bs, 0)
+        rows = cache[slots].to(q.dtype)  # [nd, L, R + dr]
+        w_uk, w_uv = self._absorbed()
+        q_lat = torch.einsum("nhd,hdr->nhr", q[..., : self.dn], w_uk.to(q.dtype))
+        scores = torch.einsum("nhc,nlc->nhl", torch.cat((q_lat, q[..., self.dn :]), dim=-1), rows) * self.scale
+        scores = scores.float().masked_fill(~valid[:, None, :], float("-inf"))
+        o_lat = torch.einsum("nhl,nlr->nhr", scores.softmax(-1).to(q.dtype), rows[..., : self.rank])
+        return torch.einsum("nhr,hvr->nhv", o_lat, w_uv.to(q.dtype))
+
+    def _expand(self, latents: torch.Tensor, dtype: torch.dtype, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [T, R + dr] -> K [T, H, dn + dr] and V [T, H, dv], zero-padded to `width` dims."""
+        latents = latents.to(dtype)
+        t, h = latents.shape[0], self.num_heads
+        kv = F.linear(latents[:, : self.rank], self.kv_b_proj.weight.to(dtype)).view(t, h, self.dn + self.dv)
+        k = torch.cat((kv[..., : self.dn], latents[:, None, self.rank :].expand(t, h, self.dr)), dim=-1)
+        return _pad(k, width), _pad(kv[..., self.dn :], width)
+
+    def _prefill(self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, p: PrefillSeq) -> torch.Tensor:
+        """A chunk's attention over its context, tile by tile merged by log-sum-exp (as layers'
+        _prefill_attention): the latents are expanded one tile at a time."""
+        width = max(self.dn + self.dr, self.dv)
+        qh = _pad(q, width).transpose(0, 1)[None]  # [1, H, q, width]
+        if p.kv_slots is None:  # the chunk is the whole context: read what the cache holds
+            src = latent[p.q_start : p.q_end].to(cache.dtype)
+            if not p.tiles:
+                k, v = self._expand(src, q.dtype, width)
+                out = F.scaled_dot_product_attention(
+                    qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=self.scale
+                )
+                return out[0].transpose(0, 1)[..., : self.dv]
+        out = lse = None
+        for t in p.tiles:
+            rows = src[t.lo : t.hi] if p.kv_slots is None else cache[p.kv_slots[t.lo : t.hi]]
+            k, v = self._expand(rows, q.dtype, width)
+            mask = None if t.mask is None else t.mask.to(q.dtype)
+            tile_out, tile_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=self.scale
+            )
+            if t.blind_rows is not None:  # the kernel reports log-sum-exp 0 for a row that saw nothing
+                tile_lse = tile_lse.masked_fill(t.blind_rows, float("-inf"))
+            if out is None:
+                out, lse = tile_out, tile_lse
+                continue
+            merged = torch.logaddexp(lse, tile_lse)
+            out = out * (lse - merged).exp()[..., None] + tile_out * (tile_lse - merged).exp()[..., None]
+            lse = merged
+        return out[0].transpose(0, 1)[..., : self.dv]
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad the last dim to `width` (the CPU flash kernel wants one head size for q, k and v;
+    zeros in q and k leave the scores alone, zeros in v only add output dims that are dropped)."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))

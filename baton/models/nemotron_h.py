@@ -1,0 +1,262 @@
+"""NemotronH (Nemotron-H, Nemotron-Nano-v2, Nemotron-3): a hybrid of Mamba2 layers (causal conv +
+selective SSM, a constant-size state per request), plain causal GQA attention layers without any
+positional encoding, squared-ReLU MLP layers and sigmoid-routed MoE layers; one mixer per layer.
+
+Mamba2 runs on the shared recurrent scan: with the state h [heads, P, N] kept transposed as
+[heads, N, P], h = exp(dt A) h + dt x (x) B and y = C h map onto S = S exp(decay); S += k (x) v;
+out = q S with k = B, v = dt x, q = C, decay = dt A."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.kv.spec import LayerKind
+from baton.models.layers import RMSNorm, pack_linears, paged_attention
+from baton.models.llama import ForwardContext
+from baton.models.model_config import TextModelConfig
+from baton.models.moe import SigmoidRouter, run_experts
+from baton.models.recurrent import causal_conv1d, scan, segments
+
+# layer type names: transformers 5 (and the pattern string's letters), then transformers 4's
+_TYPES = {
+    "M": "mamba",
+    "*": "attention",
+    "-": "mlp",
+    "E": "moe",
+    "linear_attention": "mamba",
+    "full_attention": "attention",
+    "mamba": "mamba",
+    "attention": "attention",
+    "mlp": "mlp",
+    "moe": "moe",
+}
+
+
+def layer_types(hf: dict[str, Any]) -> list[str]:
+    """Each layer's mixer: mamba, attention, mlp or moe."""
+    types = hf.get("layers_block_type") or hf.get("layer_types") or list(hf.get("hybrid_override_pattern") or "")
+    try:
+        return [_TYPES[t] for t in types]
+    except KeyError as e:
+        raise ValueError(f"unsupported NemotronH layer type {e.args[0]!r}") from None
+
+
+def mamba_dims(hf: dict[str, Any]) -> tuple[int, int, int, int, int]:
+    """(heads, head_dim P, groups G, state size N, conv kernel K)."""
+    return (
+        int(hf["mamba_num_heads"]),
+        int(hf["mamba_head_dim"]),
+        int(hf.get("n_groups", hf.get("mamba_n_groups", 1))),
+        int(hf["ssm_state_size"]),
+        int(hf.get("conv_kernel", hf.get("mamba_d_conv", 4))),
+    )
+
+
+def layer_kinds(hf: dict[str, Any]) -> list[LayerKind]:
+    nh, p, g, n, k = mamba_dims(hf)
+    mamba = LayerKind.recurrent((nh * p + 2 * g * n, k - 1), (nh, n, p))
+    kinds = {"mamba": mamba, "attention": LayerKind.full(), "mlp": LayerKind.none(), "moe": LayerKind.none()}
+    types = layer_types(hf)
+    if not types:
+        raise ValueError("a NemotronH config needs layers_block_type or hybrid_override_pattern")
+    return [kinds[t] for t in types]
+
+
+def _eps(cfg: TextModelConfig) -> float:
+    return float(cfg.hf.get("layer_norm_epsilon", cfg.rms_norm_eps))
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
+        super().__init__()
+        hf = cfg.hf
+        self.layer_id = layer_id
+        self.nh, self.p, self.g, self.n, k = mamba_dims(hf)
+        self.inner = self.nh * self.p
+        self.conv_dim = self.inner + 2 * self.g * self.n
+        bias = bool(hf.get("use_bias", False))
+        self.in_proj = nn.Linear(cfg.hidden_size, self.inner + self.conv_dim + self.nh, bias=bias)
+        conv_bias = bool(hf.get("use_conv_bias", hf.get("mamba_conv_bias", True)))
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, k, groups=self.conv_dim, bias=conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(self.nh))
+        self.A_log = nn.Parameter(torch.zeros(self.nh))
+        self.D = nn.Parameter(torch.ones(self.nh))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.inner))
+        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=bias)
+        # HF's full-sequence (chunked) path clamps dt from below; we clamp at every position, decode too
+        self.dt_min = float(hf.get("time_step_min", hf.get("mamba_dt_min", 0.0)))
+        self.eps = _eps(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t, nh, p, g, n = x.shape[0], self.nh, self.p, self.g, self.n
+        z, xbc, dt = torch.split(self.in_proj(x), [self.inner, self.conv_dim, nh], dim=1)
+        (conv_state, ssm_state), (conv_ckpt, ssm_ckpt) = ctx.states.layer(self.layer_id)
+        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
+        bias = None if bias is None else bias.to(conv_state.dtype)  # causal_conv1d casts only the weight
+        segs = list(segments(ctx.state_meta))
+        conv_out = torch.empty_like(xbc)
+        for s in segs:
+            conv_out[s.lo : s.hi] = causal_conv1d(xbc[s.lo : s.hi], conv_state[s.slot], weight, bias)
+            if s.checkpoint is not None:
+                conv_ckpt[s.checkpoint].copy_(conv_state[s.slot])
+        xs, b, c = torch.split(F.silu(conv_out).float(), [self.inner, g * n, g * n], dim=1)
+        xs = xs.view(t, nh, p)
+        b = b.view(t, g, n).repeat_interleave(nh // g, dim=1)  # head h reads group h // (nh / g)
+        c = c.view(t, g, n).repeat_interleave(nh // g, dim=1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)  # [T, nh]
+        decay = dt * -self.A_log.float().exp()
+        v = xs * dt[..., None]
+        y = torch.empty((t, nh, p), dtype=torch.float32)
+        for s in segs:
+            rows = slice(s.lo, s.hi)
+            y[rows] = scan(c[rows], b[rows], v[rows], decay[rows], None, ssm_state[s.slot])
+            if s.checkpoint is not None:
+                ssm_ckpt[s.checkpoint].copy_(ssm_state[s.slot])
+        y = (y + self.D.float()[:, None] * xs).reshape(t, self.inner) * F.silu(z.float())
+        y = y.view(t, g, -1)  # gated RMSNorm per group, gate first, in float32
+        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(t, -1)
+        return self.out_proj((self.norm.weight.float() * y).to(x.dtype))
+
+
+class NoPEAttention(nn.Module):
+    """Causal GQA over the paged cache; no rotary, no q/k norm, no biases."""
+
+    def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.scale = d**-0.5
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n, d = x.shape[0], self.head_dim
+        q = self.q_proj(x).view(n, self.num_heads, d)
+        k = self.k_proj(x).view(n, self.num_kv_heads, d)
+        v = self.v_proj(x).view(n, self.num_kv_heads, d)
+        k_cache, v_cache, meta = ctx.for_layer(self.layer_id)
+        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(n, -1))
+
+
+class Relu2MLP(nn.Module):
+    """down(relu(up(x))^2): not gated."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class NemotronHMoE(nn.Module):
+    """Sigmoid-routed relu2 experts (optionally in a latent space) plus an unweighted shared expert."""
+
+    def __init__(self, cfg: TextModelConfig) -> None:
+        super().__init__()
+        hf = cfg.hf
+        bias = bool(hf.get("mlp_bias", False))
+        num_experts = int(hf["n_routed_experts"])
+        latent = hf.get("moe_latent_size")
+        width = int(latent) if latent else cfg.hidden_size
+        self.gate = SigmoidRouter(
+            cfg.hidden_size,
+            num_experts,
+            int(hf["num_experts_per_tok"]),
+            int(hf.get("n_group", 1)),
+            int(hf.get("topk_group", 1)),
+            bool(hf.get("norm_topk_prob", True)),
+            float(hf.get("routed_scaling_factor", 1.0)),
+        )
+        self.experts = nn.ModuleList(Relu2MLP(width, int(hf["moe_intermediate_size"])) for _ in range(num_experts))
+        shared = int(hf.get("moe_shared_expert_intermediate_size") or 0)
+        self.shared_experts = Relu2MLP(cfg.hidden_size, shared, bias) if shared else None
+        self.fc1_latent_proj = nn.Linear(cfg.hidden_size, width, bias=bias) if latent else None
+        self.fc2_latent_proj = nn.Linear(width, cfg.hidden_size, bias=bias) if latent else None
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        out = run_experts(self.experts, h, weights.to(h.dtype), ids)  # each expert on its routed rows only
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class NemotronHBlock(nn.Module):
+    """x + mixer(RMSNorm(x)): one norm, one mixer."""
+
+    def __init__(self, cfg: TextModelConfig, layer_id: int, kind: str) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, _eps(cfg))
+        if kind == "mamba":
+            self.mixer: nn.Module = Mamba2Mixer(cfg, layer_id)
+        elif kind == "attention":
+            self.mixer = NoPEAttention(cfg, layer_id)
+        elif kind == "mlp":
+            self.mixer = Relu2MLP(cfg.hidden_size, cfg.intermediate_size, bool(cfg.hf.get("mlp_bias", False)))
+        else:
+            self.mixer = NemotronHMoE(cfg)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As LlamaDecoderLayer: x is the previous output, not yet added to the stream `residual`."""
+        if residual is None:
+            residual, h = x, self.norm(x)
+        else:
+            h = self.norm(x, residual)
+        return self.mixer(h, ctx), residual
+
+
+class NemotronHForCausalLM(nn.Module):
+    layer_kinds_from = staticmethod(layer_kinds)
+
+    def __init__(self, cfg: TextModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        types = layer_types(cfg.hf)
+        if len(types) != cfg.num_layers:
+            raise ValueError(f"NemotronH config: {len(types)} layer types for {cfg.num_layers} layers")
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(NemotronHBlock(cfg, i, t) for i, t in enumerate(types))
+        self.norm_f = RMSNorm(cfg.hidden_size, _eps(cfg))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.fused_decode = False  # the one-call C++ decode step knows no Mamba layers
+        self.fused_decoder = None
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, residual = self.embeddings(input_ids), None  # no positional encoding anywhere
+        for layer in self.layers:
+            x, residual = layer(x, residual, ctx)
+        return self.norm_f(x, residual)
+
+    def pack_linears(self) -> None:
+        if self.lm_head is None:
+            self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False, device="meta")
+            self.lm_head.weight = self.embeddings.weight
+        pack_linears(self)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.embeddings.weight) if self.lm_head is None else self.lm_head(hidden)
+
+    # ---- weights: checkpoints name them backbone.* (transformers 5 loads them as model.*) -------
+    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {
+            name if name.startswith("lm_head.") else f"backbone.{name}": tuple(p.shape)
+            for name, p in self.named_parameters()
+        }
+
+    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
+        name = hf_name.removeprefix("backbone.").removeprefix("model.")
+        self.get_parameter(name).data.copy_(tensor)
