@@ -2,17 +2,26 @@
 
 Prints output tokens/s for batch 1 and for 16 prompts at once, and the ratio baton / transformers.
     python bench/offline.py [--model smollm2-135m] [--max-tokens 64] [--num-prompts 16]
+--model also takes a hybrid family's random model (bench/hybrid_models.py: qwen3-next-100m,
+kimi-linear-100m, nemotron-h-100m), prompted with random token ids.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from baton import LLM, SamplingParams
-from baton.models.loader import resolve_model_path
+sys.path.insert(0, str(Path(__file__).parent))
+from hybrid_models import FAMILIES, build  # noqa: E402
+
+from baton import LLM, SamplingParams  # noqa: E402
+from baton.config import EnvSettings  # noqa: E402
+from baton.models.loader import resolve_model_path  # noqa: E402
 
 PROMPTS = [
     "The history of the printing press begins",
@@ -26,10 +35,9 @@ PROMPTS = [
 ]
 
 
-def hf_generate(model, tok, prompts: list[list[int]], max_tokens: int) -> float:
+def hf_generate(model, pad: int, prompts: list[list[int]], max_tokens: int) -> float:
     """Seconds for transformers to generate max_tokens for each prompt, batched with left padding."""
     width = max(len(p) for p in prompts)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     start = time.perf_counter()
@@ -55,11 +63,20 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(args.model, progress=False)
-    tok = llm.get_tokenizer()
-    path = resolve_model_path(args.model)
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    prompts = [tok.encode(PROMPTS[i % len(PROMPTS)] + f" (case {i})") for i in range(args.num_prompts)]
+    if args.model in FAMILIES:
+        path = build(EnvSettings.read().cache_dir, args.model)
+        llm = LLM(str(path), progress=False)
+        ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        rng = random.Random(0)
+        prompts = [[rng.randrange(10, 31000) for _ in range(rng.randrange(8, 16))] for _ in range(args.num_prompts)]
+        pad = 0
+    else:
+        llm = LLM(args.model, progress=False)
+        tok = llm.get_tokenizer()
+        path = resolve_model_path(args.model)
+        ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        prompts = [tok.encode(PROMPTS[i % len(PROMPTS)] + f" (case {i})") for i in range(args.num_prompts)]
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4))  # warm-up
 
@@ -70,7 +87,7 @@ def main() -> None:
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in chosen], params)
         baton_s = time.perf_counter() - start
-        hf_s = hf_generate(ref, tok, chosen, args.max_tokens)
+        hf_s = hf_generate(ref, pad, chosen, args.max_tokens)
         tokens = batch * args.max_tokens
         print(f"{batch:>6} {tokens / baton_s:>12.1f} {tokens / hf_s:>10.1f} {hf_s / baton_s:>7.2f}")
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from baton.config import SchedulerConfig
 from baton.engine.request import Request, RequestStatus
 from baton.kv.manager import KVManager
+from baton.kv.prefix import needed_start
+from baton.kv.spec import KVSpec
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Scheduler:
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_lost_tokens = 0  # the paged groups had them, but no state checkpoint was there
+        self.group_hit_tokens = dict.fromkeys(group_labels(kv.spec), 0)  # tokens each group served from cache
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -96,6 +99,8 @@ class Scheduler:
                 self.prefix_queried_tokens += req.num_tokens
                 self.prefix_hit_tokens += cached
                 self.prefix_lost_tokens += kv_tokens - cached
+                for label, served in zip(self.group_hit_tokens, group_hits(self.kv.spec, cached)):
+                    self.group_hit_tokens[label] += served
                 req.num_cached_tokens = cached
             req.num_computed_tokens = done + cached
             req.status = RequestStatus.RUNNING
@@ -145,3 +150,12 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
+
+
+def group_labels(spec: KVSpec) -> list[str]:
+    return [f"{g.group_id}:{g.kind.name}" for g in spec.groups] + [f"state{g.group_id}" for g in spec.state_groups]
+
+
+def group_hits(spec: KVSpec, cached: int) -> list[int]:
+    """Tokens each group served for a hit of `cached`: a sliding group only its window's."""
+    return [cached - needed_start(g, cached) for g in spec.groups] + [cached for _ in spec.state_groups]

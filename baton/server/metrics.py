@@ -48,6 +48,27 @@ class EngineCollector:
         yield CounterMetricFamily(
             "baton_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", value=s.prefix_hit_tokens
         )
+        hits = CounterMetricFamily(
+            "baton_prefix_cache_group_hit_tokens", "Tokens each KV or state group served from cache", labels=["group"]
+        )
+        for label, served in s.group_hit_tokens.items():
+            hits.add_metric([label], served)
+        yield hits
+        yield CounterMetricFamily(
+            "baton_prefix_cache_no_checkpoint_tokens",
+            "Prompt tokens the KV cache held but no state checkpoint could resume",
+            value=s.prefix_lost_tokens,
+        )
+        if e.kv_spec.has_state:
+            ckpts = e.kv.checkpoints
+            yield GaugeMetricFamily("baton_state_checkpoints_used", "State checkpoints held", value=ckpts.num_used)
+            yield GaugeMetricFamily(
+                "baton_state_checkpoints_total", "State checkpoint pool", value=ckpts.num_checkpoints
+            )
+            yield GaugeMetricFamily(
+                "baton_state_slots_used", "Running requests' state slots", value=len(e.kv.state_slots)
+            )
+            yield GaugeMetricFamily("baton_state_slots_total", "State slots", value=e.kv.num_state_slots)
         yield CounterMetricFamily("baton_preemptions", "Requests preempted for KV memory", value=s.num_preemptions)
         yield CounterMetricFamily(
             "baton_engine_step_failures",

@@ -232,15 +232,17 @@ class OpenAIServing:
         return {
             **self._header(rid, "text_completion"),
             "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage(prompt_tokens, completion_tokens, sum(o.num_cached_tokens for o in outs)),
         }
 
     async def _completion_stream(self, body, rid, prepared, keep_output, gens) -> AsyncIterator[dict]:
         states: dict[int, ChoiceStream] = {}
         completion_tokens = 0
+        cached: dict[int, int] = {}
         stop = list(body.stop or []) if not isinstance(body.stop, str) else [body.stop]
         async for i, out in self._merge(gens):
             text, ids, _ = prepared[i]
+            cached[i] = out.num_cached_tokens
             for c in out.outputs:
                 index = i * body.n + c.index
                 st = states.setdefault(index, ChoiceStream())
@@ -280,7 +282,7 @@ class OpenAIServing:
             yield {
                 **self._header(rid, "text_completion"),
                 "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens),
+                "usage": usage(prompt_tokens, completion_tokens, sum(cached.values())),
             }
 
     # ---- /v1/chat/completions --------------------------------------------------------------------
@@ -310,7 +312,7 @@ class OpenAIServing:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
         response = {**self._header(rid, "chat.completion"), "choices": choices}
-        response["usage"] = usage(len(ids), sum(len(c.token_ids) for c in out.outputs))
+        response["usage"] = usage(len(ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
         if body.return_token_ids:
             response["prompt_token_ids"] = ids
         return response
@@ -329,8 +331,9 @@ class OpenAIServing:
         yield first
         states = [ChoiceStream() for _ in range(body.n)]
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        completion_tokens = 0
+        completion_tokens = cached = 0
         async for _, out in self._merge([gen]):
+            cached = out.num_cached_tokens
             for c in out.outputs:
                 st = states[c.index]
                 if st.finished:
@@ -354,7 +357,7 @@ class OpenAIServing:
                 st.tokens_sent += len(new_ids)
                 yield {**head, "choices": [choice]}
         if body.stream_options and body.stream_options.include_usage:
-            yield {**head, "choices": [], "usage": usage(len(ids), completion_tokens)}
+            yield {**head, "choices": [], "usage": usage(len(ids), completion_tokens, cached)}
 
     def _decode(self, ids: list[int]) -> str:
         tok = self.engine.tokenizer
