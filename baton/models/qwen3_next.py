@@ -11,6 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.spec import LayerKind
+from baton.kv.state import StateStorage
+from baton.kv.storage import KVStorage
+from baton.models.fused_hybrid_decode import FusedHybridDecoder
 from baton.models.layers import RMSNorm, Rotary, paged_attention
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
@@ -180,7 +183,29 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         rope = cfg.rope["full"]
         self.rotary = nn.ModuleDict({"full": Rotary(rope, int(cfg.head_dim * rope.partial_rotary_factor))})
         self.layer_kinds = ["full"]
-        self.fused_decode = False  # the one-call C++ decode step has no recurrent layers yet
+        self.fused_decode = True  # decode-only steps as one C++ call (baton/models/fused_hybrid_decode.py)
+        self._fused_states: StateStorage | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed(input_ids)
+        rope = {kind: self.rotary[kind](positions, x.dtype) for kind in self.layer_kinds}
+        one_token_rows = ctx.state_meta is None or all(s.q_end - s.q_start == 1 for s in ctx.state_meta.seqs)
+        if ctx.decode_only and one_token_rows and self._fused_decoder_for(ctx.storage, ctx.states) is not None:
+            return self.fused_decoder(x, rope["full"], ctx)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, rope, ctx)
+        return self.norm(x, residual)
+
+    def _fused_decoder_for(self, storage: KVStorage, states: StateStorage | None = None) -> FusedHybridDecoder | None:
+        """The one-call decode step over `storage` and `states`, built on first use; None where it does not apply."""
+        if not self.fused_decode:
+            return None
+        if self._fused_storage is not storage or self._fused_states is not states:
+            self._fused_storage, self._fused_states = storage, states
+            supported = FusedHybridDecoder.supports(self, storage, states)
+            self.fused_decoder = FusedHybridDecoder(self, storage, states) if supported else None
+        return self.fused_decoder
 
     _UNFUSED = {"gate_up_proj": ("gate_proj", "up_proj")}
 

@@ -29,7 +29,15 @@ NAME = "baton_ops"
 LIB = f"{NAME}.so"
 SOURCES = [
     Path(__file__).with_name(f)
-    for f in ("bindings.cpp", "paged_attention.cpp", "linear.cpp", "pointwise.cpp", "decode.cpp", "recurrent.cpp")
+    for f in (
+        "bindings.cpp",
+        "paged_attention.cpp",
+        "linear.cpp",
+        "pointwise.cpp",
+        "decode.cpp",
+        "recurrent.cpp",
+        "hybrid_decode.cpp",
+    )
 ]
 # -march=native: the library is built on the machine that runs it (AVX-512 where the CPU has it)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fopenmp-simd")

@@ -1,6 +1,7 @@
 #include "ops.h"
 
-void bind_fused_decoder(pybind11::module_& m);  // decode.cpp
+void bind_fused_decoder(pybind11::module_& m);         // decode.cpp
+void bind_fused_hybrid_decoder(pybind11::module_& m);  // hybrid_decode.cpp
 
 // Every op releases the GIL while it runs (its arguments are converted before, its result after),
 // so Python threads such as the server's event loop go on meanwhile. No op touches a Python object.
@@ -18,4 +19,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("empty_huge_pages", &empty_huge_pages, "uninitialized bytes on transparent huge pages", release());
   m.def("recurrent_scan_", &recurrent_scan_, "recurrent-state scan over tokens, state in place", release());
   bind_fused_decoder(m);
+  bind_fused_hybrid_decoder(m);
 }

@@ -253,7 +253,7 @@ class OpenAIServing:
                 safe = stream_safe_text(c.text, done, stop) if keep_output[i] else ""
                 delta = safe[st.text_sent :]
                 new_ids = c.token_ids[st.tokens_sent :] if keep_output[i] else []
-                if not (delta or done or (first and body.echo)):
+                if not (delta or done or (first and body.echo) or (body.return_token_ids and new_ids)):
                     continue
                 choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": None}
                 lp_ids, entries = (
@@ -341,7 +341,7 @@ class OpenAIServing:
                 done = c.finish_reason is not None
                 delta = stream_safe_text(c.text, done, stop)[st.text_sent :]
                 new_ids = c.token_ids[st.tokens_sent :]
-                if not (delta or done):
+                if not (delta or done or (body.return_token_ids and new_ids)):
                     continue
                 choice = {"index": c.index, "delta": {"content": delta}, "logprobs": None, "finish_reason": None}
                 if body.logprobs:

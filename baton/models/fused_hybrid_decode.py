@@ -1,0 +1,157 @@
+"""A packed float32 Qwen3-Next's decode-only steps as one C++ call per step
+(baton/ops/hybrid_decode.cpp): Gated DeltaNet and gated attention layers, dense or MoE MLPs,
+bound to the KV storage and the recurrent state storage they write. A row's bits are those of
+the module-by-module path."""
+
+from __future__ import annotations
+
+import torch
+
+from baton.kv.spec import STATE_DTYPE
+from baton.kv.state import StateStorage
+from baton.kv.storage import KVStorage
+from baton.models.layers import PackedLinear
+from baton.models.moe import SparseMoE
+from baton.ops import ops
+
+
+class FusedHybridDecoder:
+    def __init__(self, model: torch.nn.Module, storage: KVStorage, states: StateStorage) -> None:
+        cfg, hf = model.cfg, model.cfg.hf
+        self.storage, self.states = storage, states
+        self.steps = 0  # decode steps run through the C++ call
+        norm = model.norm
+        rotary_dim = model.rotary["full"].inv_freq.numel() * 2
+        self._decoder = ops().FusedHybridDecoder(
+            hidden=cfg.hidden_size,
+            eps=norm.eps,
+            norm_offset=norm.offset,
+            final_norm=norm.weight,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            rotary_dim=rotary_dim,
+            scale=cfg.attn_scale,
+            key_heads=int(hf["linear_num_key_heads"]),
+            value_heads=int(hf["linear_num_value_heads"]),
+            key_dim=int(hf["linear_key_head_dim"]),
+            value_dim=int(hf["linear_value_head_dim"]),
+            conv_kernel=int(hf["linear_conv_kernel_dim"]),
+        )
+        for i, layer in enumerate(model.layers):
+            norms = dict(input_norm=layer.input_layernorm.weight, post_attn_norm=layer.post_attention_layernorm.weight)
+            if layer.recurrent:
+                la = layer.linear_attn
+                (conv_state, rec_state), (conv_ckpt, rec_ckpt) = states.layer(i)
+                self._decoder.add_recurrent_layer(
+                    **norms,
+                    qkvz=la.in_proj_qkvz.panels,
+                    ba=la.in_proj_ba.panels,
+                    out_proj=la.out_proj.panels,
+                    conv_weight=la.conv1d.weight[:, 0].float().contiguous(),
+                    # GatedDeltaNet.forward's -A_log.float().exp(): the same op on the same [vh], once
+                    neg_exp_a=(-la.A_log.float().exp()).contiguous(),
+                    dt_bias=la.dt_bias.float().contiguous(),
+                    norm_weight=la.norm.weight.float().contiguous(),
+                    norm_eps=la.eps,
+                    conv_state=conv_state,
+                    rec_state=rec_state,
+                    conv_checkpoints=conv_ckpt,
+                    rec_checkpoints=rec_ckpt,
+                )
+            else:
+                attn = layer.self_attn
+                k_cache, v_cache = storage.layer(i)
+                self._decoder.add_attention_layer(
+                    **norms,
+                    q_proj=attn.q_proj.panels,
+                    q_bias=attn.q_proj.bias,
+                    k_proj=attn.k_proj.panels,
+                    k_bias=attn.k_proj.bias,
+                    v_proj=attn.v_proj.panels,
+                    v_bias=attn.v_proj.bias,
+                    o_proj=attn.o_proj.panels,
+                    o_bias=attn.o_proj.bias,
+                    q_norm=attn.q_norm.weight,
+                    k_norm=attn.k_norm.weight,
+                    k_cache=k_cache,
+                    v_cache=v_cache,
+                    group=storage.spec.layer_to_group[i][0],
+                )
+            mlp = layer.mlp
+            if isinstance(mlp, SparseMoE):
+                shared = mlp.shared_expert
+                self._decoder.set_moe(
+                    router=mlp.gate.panels,
+                    top_k=mlp.top_k,
+                    norm_topk_prob=mlp.norm_topk_prob,
+                    expert_gate_up=[e.gate_up_proj.panels for e in mlp.experts],
+                    expert_down=[e.down_proj.panels for e in mlp.experts],
+                    moe_intermediate=mlp.experts[0].down_proj.panels.shape[1],
+                    shared_gate_up=None if shared is None else shared.gate_up_proj.panels,
+                    shared_down=None if shared is None else shared.down_proj.panels,
+                    shared_intermediate=0 if shared is None else shared.down_proj.panels.shape[1],
+                    shared_gate=None if mlp.shared_expert_gate is None else mlp.shared_expert_gate.panels,
+                )
+            else:
+                self._decoder.set_dense_mlp(
+                    gate_up=mlp.gate_up_proj.panels,
+                    down=mlp.down_proj.panels,
+                    intermediate=mlp.down_proj.panels.shape[1],
+                )
+
+    @staticmethod
+    def supports(model: torch.nn.Module, storage: KVStorage, states: StateStorage | None) -> bool:
+        """Packed float32 linears, a float32 KV cache and float32 state; otherwise the module path runs."""
+        if states is None or storage.dtype != torch.float32 or STATE_DTYPE != torch.float32:
+            return False
+        if model.norm.weight.dtype != torch.float32:
+            return False
+        for layer in model.layers:
+            mixer = layer.linear_attn if layer.recurrent else layer.self_attn
+            mlp = layer.mlp
+            experts = list(mlp.experts) if isinstance(mlp, SparseMoE) else [mlp]
+            if isinstance(mlp, SparseMoE):
+                experts += [e for e in (mlp.shared_expert,) if e is not None]
+                linears = [mlp.gate] + ([] if mlp.shared_expert_gate is None else [mlp.shared_expert_gate])
+            else:
+                linears = []
+            linears += [m for m in mixer.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+            linears += [p for e in experts for p in (e.gate_up_proj, e.down_proj)]
+            if not all(isinstance(m, PackedLinear) for m in linears):
+                return False
+        return True
+
+    def set_profiling(self, on: bool) -> None:
+        """With profiling on, each step adds the wall time of its parts to `profile()`."""
+        self._decoder.set_profiling(on)
+
+    def profile(self) -> dict[str, float]:
+        """Seconds spent in attention, the recurrent mixers, linears, experts, and the small ops."""
+        return self._decoder.profile()
+
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx) -> torch.Tensor:
+        """x: the embedded decode tokens, one per row; rope: the full-attention cos and signed sin."""
+        groups, meta = ctx.groups, ctx.state_meta
+        slots, snap_rows, snap_offsets, snap_ids = [], [], [], []
+        for row, seq in enumerate(meta.seqs if meta is not None else ()):
+            slots.append(seq.slot)
+            for offset, cid in seq.snapshots:
+                snap_rows.append(row)
+                snap_offsets.append(offset)
+                snap_ids.append(cid)
+        self.steps += 1
+        return self._decoder.forward(
+            x,
+            rope[0],
+            rope[1],
+            [g.slot_mapping for g in groups],
+            [g.decode_block_ids for g in groups],
+            [g.decode_kv_offsets for g in groups],
+            [g.decode_kv_lens for g in groups],
+            groups[0].block_size if groups else 1,
+            slots,
+            snap_rows,
+            snap_offsets,
+            snap_ids,
+        )
