@@ -86,3 +86,23 @@ def test_the_resumable_prefix_needs_every_group_at_once():
     assert resumable_prefix(spec, [4, 8, 12], everything, has_state) == 8
     assert resumable_prefix(spec, [4, 8, 12], lambda g, lo, hi: hi <= 4, has_state) == 0
     assert resumable_prefix(spec, [4, 8, 12], everything, lambda n: False) == 0
+
+
+def test_a_running_requests_rolling_checkpoint_evicted_under_it_is_not_freed_twice():
+    kv = KVManager(hybrid(), [64], num_state_slots=3, num_checkpoints=2, checkpoint_interval=0)
+    r = list(range(100, 113))
+    assert kv.allocate_slots("r", r, 0, 13)
+    kv.cache_blocks("r", r, 13)  # checkpoint at 12, the prompt's last boundary
+    for t in range(3):  # decode to 16: a rolling checkpoint there
+        r.append(7)
+        assert kv.allocate_slots("r", r, 13 + t, 1)
+        kv.cache_blocks("r", r, 14 + t)
+    _run(kv, "s", list(range(200, 213)))  # evicts r's checkpoint at 12
+    t_tokens = list(range(300, 313))
+    _run(kv, "t", t_tokens)  # evicts r's rolling checkpoint at 16
+    r.append(7)
+    assert kv.allocate_slots("r", r, 16, 1) and kv.allocate_slots("r", r + [7] * 3, 17, 3)
+    kv.cache_blocks("r", r + [7] * 3, 20)  # a rolling checkpoint at 20 replaces r's latest: not t's
+    assert kv.find_cached_prefix("u", t_tokens + [1]).num_tokens == 12
+    kv.free("r")
+    assert kv.all_free()

@@ -279,6 +279,8 @@ class KVManager:
                 break
             cid, evicted = got
             if evicted is not None:
+                if evicted.owner is not None and self._rolling.get(evicted.owner) == cid:
+                    del self._rolling[evicted.owner]  # a running request's latest: gone, not to be freed again
                 self._release_prefix(evicted)
             planned.append((num_tokens, cid))
         planned.sort()

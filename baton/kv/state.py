@@ -105,7 +105,7 @@ class CheckpointPool:
             return None
         cid, _ = self.lru.popitem(last=False)
         entry = self.entries[cid]
-        evicted = Checkpoint(cid, entry.block_hash, entry.num_tokens, entry.prefix_hashes)
+        evicted = Checkpoint(cid, entry.block_hash, entry.num_tokens, entry.prefix_hashes, owner=entry.owner)
         self._forget(entry)
         return cid, evicted
 
@@ -137,7 +137,7 @@ class CheckpointPool:
     def free(self, cid: int) -> Checkpoint:
         """Drop a reserved or published checkpoint; returns what it was."""
         entry = self.entries[cid]
-        was = Checkpoint(cid, entry.block_hash, entry.num_tokens, entry.prefix_hashes)
+        was = Checkpoint(cid, entry.block_hash, entry.num_tokens, entry.prefix_hashes, owner=entry.owner)
         self.lru.pop(cid, None)
         self._forget(entry)
         self.vacant.append(cid)
