@@ -21,7 +21,7 @@ from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.mla import MLAttention
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import MLP, GroupedSigmoidMoE
-from baton.models.recurrent import causal_conv1d, scan, segments
+from baton.models.recurrent import conv_over_segments, scan_over_segments, segments
 
 
 def _get(hf: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -103,22 +103,13 @@ class KimiDeltaAttention(nn.Module):
         qkv, f_a, g_a, b = torch.split(self.in_proj(x), [3 * h * d, d, d, h], dim=1)
         (conv_state, rec_state), (conv_ckpt, rec_ckpt) = ctx.states.layer(self.layer_id)
         segs = list(segments(ctx.state_meta))
-        conv_out = torch.empty_like(qkv)
-        for s in segs:
-            conv_out[s.lo : s.hi] = causal_conv1d(qkv[s.lo : s.hi], conv_state[s.slot], self.conv_weight, None)
-            if s.checkpoint is not None:
-                conv_ckpt[s.checkpoint].copy_(conv_state[s.slot])
+        conv_out = conv_over_segments(qkv, segs, conv_state, conv_ckpt, self.conv_weight, None)
         q, k, v = F.silu(conv_out).float().view(n, 3, h, d).unbind(1)
         q, k = l2norm(q) * d**-0.5, l2norm(k)
         raw = self.f_b_proj(f_a.contiguous()).float().view(n, h, d) + self.dt_bias.float().view(h, d)
         decay = -self.A_log.float().exp()[:, None] * F.softplus(raw)  # [n, h, d]: per key channel
         beta = b.float().sigmoid()
-        out = torch.empty((n, h, d), dtype=torch.float32)
-        for s in segs:
-            rows = slice(s.lo, s.hi)
-            out[rows] = scan(q[rows], k[rows], v[rows], decay[rows], beta[rows], rec_state[s.slot])
-            if s.checkpoint is not None:
-                rec_ckpt[s.checkpoint].copy_(rec_state[s.slot])
+        out = scan_over_segments(q, k, v, decay, beta, segs, rec_state, rec_ckpt)
         gate = self.g_b_proj(g_a.contiguous()).float().view(n, h, d)
         out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
         return self.o_proj((out * gate.sigmoid()).to(x.dtype).reshape(n, -1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -237,16 +238,29 @@ def _prefill_attention(
                 enable_gqa=q.shape[1] != k.shape[1],
             )[0].transpose(0, 1)
     group = q.shape[1] // k.shape[1]
-    qh = q.transpose(0, 1)[None]  # [1, heads, q, dim]
-    out = lse = None
-    for t in p.tiles:
+
+    def load(t: KVTile) -> tuple[torch.Tensor, torch.Tensor]:
         if p.kv_slots is None:
             kt, vt = k_src[t.lo : t.hi], v_src[t.lo : t.hi]
         else:
             kt, vt = k_cache[p.kv_slots[t.lo : t.hi]], v_cache[p.kv_slots[t.lo : t.hi]]
-        kt = kt.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)[None]
-        vt = vt.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)[None]
-        mask = None if t.mask is None else t.mask.to(q.dtype)
+        heads = lambda x: x.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)[None]  # noqa: E731
+        return heads(kt), heads(vt)
+
+    return tiled_attention(q.transpose(0, 1)[None], p.tiles, load, scale)[0].transpose(0, 1)
+
+
+def tiled_attention(
+    qh: torch.Tensor,  # [1, heads, q, dim]
+    tiles: list[KVTile],
+    load: Callable[[KVTile], tuple[torch.Tensor, torch.Tensor]],  # a tile's K and V, [1, heads, t, dim]
+    scale: float,
+) -> torch.Tensor:
+    """Attention over KV tiles, one flash call each, merged by log-sum-exp: [1, heads, q, dim]."""
+    out = lse = None
+    for t in tiles:
+        kt, vt = load(t)
+        mask = None if t.mask is None else t.mask.to(qh.dtype)
         tile_out, tile_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qh, kt, vt, attn_mask=mask, scale=scale
         )
@@ -258,4 +272,4 @@ def _prefill_attention(
         merged = torch.logaddexp(lse, tile_lse)
         out = out * (lse - merged).exp()[..., None] + tile_out * (tile_lse - merged).exp()[..., None]
         lse = merged
-    return out[0].transpose(0, 1)
+    return out

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.models.layers import GroupAttnMetadata, PrefillSeq, RMSNorm
+from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq, RMSNorm, tiled_attention
 from baton.models.model_config import TextModelConfig
 
 LATENT_NORM_EPS = 1e-6  # kv_a_layernorm / q_a_layernorm are built without eps: the class default
@@ -102,23 +102,13 @@ class MLAttention(nn.Module):
                     qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=self.scale
                 )
                 return out[0].transpose(0, 1)[..., : self.dv]
-        out = lse = None
-        for t in p.tiles:
+
+        def load(t: KVTile) -> tuple[torch.Tensor, torch.Tensor]:
             rows = src[t.lo : t.hi] if p.kv_slots is None else cache[p.kv_slots[t.lo : t.hi]]
             k, v = self._expand(rows, q.dtype, width)
-            mask = None if t.mask is None else t.mask.to(q.dtype)
-            tile_out, tile_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=self.scale
-            )
-            if t.blind_rows is not None:  # the kernel reports log-sum-exp 0 for a row that saw nothing
-                tile_lse = tile_lse.masked_fill(t.blind_rows, float("-inf"))
-            if out is None:
-                out, lse = tile_out, tile_lse
-                continue
-            merged = torch.logaddexp(lse, tile_lse)
-            out = out * (lse - merged).exp()[..., None] + tile_out * (tile_lse - merged).exp()[..., None]
-            lse = merged
-        return out[0].transpose(0, 1)[..., : self.dv]
+            return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+
+        return tiled_attention(qh, p.tiles, load, self.scale)[0].transpose(0, 1)[..., : self.dv]
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:

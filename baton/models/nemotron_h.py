@@ -19,7 +19,7 @@ from baton.models.layers import RMSNorm, pack_linears, paged_attention
 from baton.models.llama import ForwardContext
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import SigmoidRouter, run_experts
-from baton.models.recurrent import causal_conv1d, scan, segments
+from baton.models.recurrent import conv_over_segments, scan_over_segments, segments
 
 # layer type names: transformers 5 (and the pattern string's letters), then transformers 4's
 _TYPES = {
@@ -97,13 +97,8 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = torch.split(self.in_proj(x), [self.inner, self.conv_dim, nh], dim=1)
         (conv_state, ssm_state), (conv_ckpt, ssm_ckpt) = ctx.states.layer(self.layer_id)
         weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
-        bias = None if bias is None else bias.to(conv_state.dtype)  # causal_conv1d casts only the weight
         segs = list(segments(ctx.state_meta))
-        conv_out = torch.empty_like(xbc)
-        for s in segs:
-            conv_out[s.lo : s.hi] = causal_conv1d(xbc[s.lo : s.hi], conv_state[s.slot], weight, bias)
-            if s.checkpoint is not None:
-                conv_ckpt[s.checkpoint].copy_(conv_state[s.slot])
+        conv_out = conv_over_segments(xbc, segs, conv_state, conv_ckpt, weight, bias)
         xs, b, c = torch.split(F.silu(conv_out).float(), [self.inner, g * n, g * n], dim=1)
         xs = xs.view(t, nh, p)
         b = b.view(t, g, n).repeat_interleave(nh // g, dim=1)  # head h reads group h // (nh / g)
@@ -111,12 +106,7 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)  # [T, nh]
         decay = dt * -self.A_log.float().exp()
         v = xs * dt[..., None]
-        y = torch.empty((t, nh, p), dtype=torch.float32)
-        for s in segs:
-            rows = slice(s.lo, s.hi)
-            y[rows] = scan(c[rows], b[rows], v[rows], decay[rows], None, ssm_state[s.slot])
-            if s.checkpoint is not None:
-                ssm_ckpt[s.checkpoint].copy_(ssm_state[s.slot])
+        y = scan_over_segments(c, b, v, decay, None, segs, ssm_state, ssm_ckpt)
         y = (y + self.D.float()[:, None] * xs).reshape(t, self.inner) * F.silu(z.float())
         y = y.view(t, g, -1)  # gated RMSNorm per group, gate first, in float32
         y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(t, -1)

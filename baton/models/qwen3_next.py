@@ -18,7 +18,7 @@ from baton.models.layers import RMSNorm, Rotary, paged_attention
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import SparseMoE, dense_mlp
-from baton.models.recurrent import causal_conv1d, scan, segments
+from baton.models.recurrent import conv_over_segments, scan_over_segments, segments
 
 
 def layer_kinds(hf: dict[str, Any]) -> list[LayerKind]:
@@ -84,12 +84,7 @@ class GatedDeltaNet(nn.Module):
         (conv_state, rec_state), (conv_ckpt, rec_ckpt) = ctx.states.layer(self.layer_id)
         weight = self.conv1d.weight[:, 0]
         segs = list(segments(ctx.state_meta))
-        conv_out = torch.empty_like(mixed)
-        for s in segs:
-            conv_out[s.lo : s.hi] = causal_conv1d(mixed[s.lo : s.hi], conv_state[s.slot], weight, None)
-            if s.checkpoint is not None:
-                conv_ckpt[s.checkpoint].copy_(conv_state[s.slot])
-        conv_out = F.silu(conv_out)
+        conv_out = F.silu(conv_over_segments(mixed, segs, conv_state, conv_ckpt, weight, None))
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=1)
         r = self.vh // self.kh
         q = l2norm(q.float().view(n, self.kh, self.dk)).repeat_interleave(r, dim=1) * self.dk**-0.5
@@ -97,12 +92,7 @@ class GatedDeltaNet(nn.Module):
         v = v.float().view(n, self.vh, self.dv)
         beta = b.float().sigmoid()
         decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out = torch.empty((n, self.vh, self.dv), dtype=torch.float32)
-        for s in segs:
-            rows = slice(s.lo, s.hi)
-            out[rows] = scan(q[rows], k[rows], v[rows], decay[rows], beta[rows], rec_state[s.slot])
-            if s.checkpoint is not None:
-                rec_ckpt[s.checkpoint].copy_(rec_state[s.slot])
+        out = scan_over_segments(q, k, v, decay, beta, segs, rec_state, rec_ckpt)
         out = gated_rms_norm(out.to(x.dtype), z.view(n, self.vh, self.dv), self.norm.weight, self.eps)
         return self.out_proj(out.reshape(n, -1))
 

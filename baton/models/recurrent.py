@@ -77,3 +77,40 @@ def scan(
     k (x) v without beta); out = q S. state [H, Dk, Dv] is updated in place."""
     f = lambda t: t.float().contiguous()  # noqa: E731
     return recurrent_scan_(f(q), f(k), f(v), f(decay), None if beta is None else f(beta), state)
+
+
+def conv_over_segments(
+    x: torch.Tensor,
+    segs: list[Segment],
+    conv_state: torch.Tensor,  # [slots, C, K-1]
+    conv_checkpoints: torch.Tensor,  # [checkpoints, C, K-1]
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """`causal_conv1d` of each segment's rows from its slot's window; checkpoints recorded."""
+    out = torch.empty_like(x)
+    for s in segs:
+        out[s.lo : s.hi] = causal_conv1d(x[s.lo : s.hi], conv_state[s.slot], weight, bias)
+        if s.checkpoint is not None:
+            conv_checkpoints[s.checkpoint].copy_(conv_state[s.slot])
+    return out
+
+
+def scan_over_segments(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor | None,
+    segs: list[Segment],
+    state: torch.Tensor,  # [slots, H, Dk, Dv]
+    checkpoints: torch.Tensor,  # [checkpoints, H, Dk, Dv]
+) -> torch.Tensor:
+    """`scan` of each segment's rows from its slot's state; checkpoints recorded. [T, H, Dv] float32."""
+    out = torch.empty((q.shape[0], v.shape[1], v.shape[2]), dtype=torch.float32)
+    for s in segs:
+        rows = slice(s.lo, s.hi)
+        out[rows] = scan(q[rows], k[rows], v[rows], decay[rows], None if beta is None else beta[rows], state[s.slot])
+        if s.checkpoint is not None:
+            checkpoints[s.checkpoint].copy_(state[s.slot])
+    return out
