@@ -1,7 +1,7 @@
-"""The KV handoff for recurrent hybrids: a span carries the recurrent state at position n (and MLA
-latents); workers unlike in block size, layout and KV dtype decode the lone worker's tokens; a
-span without a state a layer needs, or with state at the wrong position, is refused before any
-write."""
+"""Every recurrent family along the paths that resume state: preemption, and the KV handoff (a span
+carries the recurrent state at position n and MLA latents; workers unlike in block size, layout and
+KV dtype decode the lone worker's tokens; a span without a state a layer needs, or with state at
+the wrong position, is refused before any write)."""
 
 from __future__ import annotations
 
@@ -30,22 +30,60 @@ def _state(llm: LLM):
     return free, len(e.kv.free_slots), dict(e.kv.block_tables), digest.hexdigest(), dict(e.requests)
 
 
+def _decode_logits(llm: LLM, monkeypatch) -> list[torch.Tensor]:
+    """Record the logits each step samples from (one request running at a time)."""
+    seen: list[torch.Tensor] = []
+    execute = llm.engine.runner.execute
+
+    def recording(batch):
+        out = execute(batch)
+        seen.extend(out.logits[row].clone() for row in out.sample_rows.values())
+        return out
+
+    monkeypatch.setattr(llm.engine.runner, "execute", recording)
+    return seen
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_handoff_between_unlike_workers_gives_the_lone_workers_tokens(family, request):
+def test_resume_after_preemption_gives_the_same_tokens(family, request):
     _, path = request.getfixturevalue(family)
+    prompts = [{"prompt_token_ids": _ids(60 + 7 * i, 10 + i)} for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(str(path), progress=False, block_size=16).generate(prompts, params)]
+    for caching in (False, True):
+        small = LLM(
+            str(path), progress=False, block_size=16, num_kv_blocks=12, max_model_len=160, enable_prefix_caching=caching
+        )
+        assert [o.outputs[0].token_ids for o in small.generate(prompts, params)] == expected
+        assert small.engine.scheduler.num_preemptions > 0
+        assert small.engine.kv.all_free()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_handoff_between_unlike_workers_gives_the_lone_workers_tokens(family, request, monkeypatch):
+    ref, path = request.getfixturevalue(family)
     prefill = LLM(str(path), progress=False, block_size=16, max_num_batched_tokens=64)
     for decode_args in ({"block_size": 32, "kv_layout": "HND"}, {"block_size": 8, "kv_cache_dtype": "bfloat16"}):
         decode = LLM(str(path), progress=False, **decode_args)
+        logits = _decode_logits(decode, monkeypatch)
         for n in (7, 150):
             ids = _ids(n, 50 + n)
-            lone = decode.generate([{"prompt_token_ids": ids}], GREEDY)[0].outputs[0].token_ids
+            lone = decode.generate([{"prompt_token_ids": ids}], GREEDY)[0]
             for fmt in ("grouped", "dense"):
                 span = prefill_output(prefill, ids, fmt).kv_span
                 header, _ = wire.read_header(span, decode.engine.kv_secret)
                 states = [t for t in header["tensors"] if t["kind"] == "state"]
                 assert states and all(t["start"] == n for t in states)
+                logits.clear()
                 out = run_imported(decode, ids, span, GREEDY)
-                assert out.outputs[0].token_ids == lone, (family, decode_args, n, fmt)
+                new = out.outputs[0].token_ids
+                assert new == lone.outputs[0].token_ids, (family, decode_args, n, fmt)
+                if "kv_cache_dtype" not in decode_args:  # every decode step after the import: the reference's logits
+                    with torch.no_grad():
+                        full = ref(torch.tensor([ids + new]), use_cache=False).logits[0]
+                    expected = full[n : n + len(logits)]
+                    assert len(logits) == len(new) - 1
+                    assert ((torch.stack(logits) - expected).abs().max() / expected.abs().max()).item() < 1e-4
                 assert decode.engine.kv.all_free()
 
 

@@ -92,20 +92,6 @@ def test_decode_prefix_hit_and_batch_composition_keep_the_reference_tokens(qwen3
     assert llm.engine.kv.all_free()
 
 
-def test_resume_after_preemption_gives_the_same_tokens(qwen3_next):
-    _, path = qwen3_next
-    prompts = [{"prompt_token_ids": _ids(60 + 7 * i, 10 + i)} for i in range(6)]
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    expected = [_tokens(o) for o in LLM(str(path), progress=False, block_size=16).generate(prompts, params)]
-    for caching in (False, True):
-        small = LLM(
-            str(path), progress=False, block_size=16, num_kv_blocks=12, max_model_len=160, enable_prefix_caching=caching
-        )
-        assert [_tokens(o) for o in small.generate(prompts, params)] == expected
-        assert small.engine.scheduler.num_preemptions > 0
-        assert small.engine.kv.all_free()
-
-
 def test_prefix_cache_hits_on_repeats_shared_system_prompts_and_chat_turns(qwen3_next):
     _, path = qwen3_next
     cold = LLM(str(path), progress=False, block_size=16, enable_prefix_caching=False)
