@@ -122,3 +122,36 @@ def test_prefix_cache_hits_on_repeats_shared_system_prompts_and_chat_turns(qwen3
     out = llm.generate([turn2], params)[0]
     assert out.num_cached_tokens == (len(turn1) + len(answer) - 1) // 16 * 16
     assert _tokens(out) == _tokens(cold.generate([turn2], params)[0])
+
+
+def test_server_reports_cached_tokens_and_state_metrics(qwen3_next):
+    import requests
+
+    from tests.server_util import ServerProcess
+
+    _, path = qwen3_next
+    server = ServerProcess("--model", str(path), "--served-model-name", "q3n", "--block-size", "16")
+    try:
+        prompt = _ids(300, 70)
+        url = f"{server.base_url}/v1/completions"
+        for expected_cached in (0, 288):
+            body = {"model": "q3n", "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+            usage = requests.post(url, json=body, timeout=60).json()["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == expected_cached
+        # a model without a tokenizer streams its token ids as they come, and the usage at the end
+        body = {**body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+        with requests.post(url, json=body, stream=True, timeout=60) as r:
+            chunks = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: {")]
+        import json
+
+        parsed = [json.loads(c) for c in chunks]
+        assert sum(len(c["choices"][0].get("token_ids") or []) for c in parsed if c["choices"]) == 3
+        assert len([c for c in parsed if c["choices"]]) == 3  # one chunk per token
+        assert parsed[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 288
+        # two hits of 288 tokens, each served by the full-attention group and the state group
+        assert server.metric("baton_prefix_cache_group_hit_tokens_total") == 2 * 2 * 288
+        assert server.metric("baton_prefix_cache_no_checkpoint_tokens_total") == 0
+        assert server.metric("baton_state_checkpoints_used") >= 2
+        assert server.metric("baton_state_slots_used") == 0
+    finally:
+        server.terminate()
