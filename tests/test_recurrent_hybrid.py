@@ -4,12 +4,15 @@ parity with transformers' full forward along every path, and prefix caching that
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 
 import pytest
+import requests
 import torch
 
 from baton import LLM, SamplingParams
+from tests.server_util import ServerProcess
 from tests.test_random_models import make_model
 
 QWEN3_NEXT = dict(
@@ -125,10 +128,6 @@ def test_prefix_cache_hits_on_repeats_shared_system_prompts_and_chat_turns(qwen3
 
 
 def test_server_reports_cached_tokens_and_state_metrics(qwen3_next):
-    import requests
-
-    from tests.server_util import ServerProcess
-
     _, path = qwen3_next
     server = ServerProcess("--model", str(path), "--served-model-name", "q3n", "--block-size", "16")
     try:
@@ -142,8 +141,6 @@ def test_server_reports_cached_tokens_and_state_metrics(qwen3_next):
         body = {**body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
         with requests.post(url, json=body, stream=True, timeout=60) as r:
             chunks = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: {")]
-        import json
-
         parsed = [json.loads(c) for c in chunks]
         assert sum(len(c["choices"][0].get("token_ids") or []) for c in parsed if c["choices"]) == 3
         assert len([c for c in parsed if c["choices"]]) == 3  # one chunk per token

@@ -133,11 +133,12 @@ class FusedHybridDecoder:
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx) -> torch.Tensor:
         """x: the embedded decode tokens, one per row; rope: the full-attention cos and signed sin."""
         groups, meta = ctx.groups, ctx.state_meta
-        slots, snap_rows, snap_offsets, snap_ids = [], [], [], []
-        for row, seq in enumerate(meta.seqs if meta is not None else ()):
-            slots.append(seq.slot)
+        seqs = meta.seqs if meta is not None else []
+        slots, snap_rows, snap_offsets, snap_ids = [0] * len(seqs), [], [], []
+        for seq in seqs:  # one row each
+            slots[seq.q_start] = seq.slot
             for offset, cid in seq.snapshots:
-                snap_rows.append(row)
+                snap_rows.append(seq.q_start)
                 snap_offsets.append(offset)
                 snap_ids.append(cid)
         self.steps += 1
