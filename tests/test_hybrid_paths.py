@@ -30,33 +30,58 @@ def _state(llm: LLM):
     return free, len(e.kv.free_slots), dict(e.kv.block_tables), digest.hexdigest(), dict(e.requests)
 
 
-def _decode_logits(llm: LLM, monkeypatch) -> list[torch.Tensor]:
-    """Record the logits each step samples from (one request running at a time)."""
-    seen: list[torch.Tensor] = []
-    execute = llm.engine.runner.execute
-
-    def recording(batch):
-        out = execute(batch)
-        seen.extend(out.logits[row].clone() for row in out.sample_rows.values())
-        return out
-
-    monkeypatch.setattr(llm.engine.runner, "execute", recording)
-    return seen
-
-
 @pytest.mark.parametrize("family", FAMILIES)
-def test_resume_after_preemption_gives_the_same_tokens(family, request):
-    _, path = request.getfixturevalue(family)
-    prompts = [{"prompt_token_ids": _ids(60 + 7 * i, 10 + i)} for i in range(6)]
+def test_decode_after_a_prefix_hit_and_after_preemption_keeps_the_reference_logits(family, request, monkeypatch):
+    ref, path = request.getfixturevalue(family)
+    prompts = [_ids(60 + 7 * i, 10 + i) for i in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM(str(path), progress=False, block_size=16).generate(prompts, params)]
+    expected = {}
+    with torch.no_grad():
+        plain = LLM(str(path), progress=False, block_size=16).generate(
+            [{"prompt_token_ids": p} for p in prompts], params
+        )
+        for p, out in zip(prompts, plain):
+            new = out.outputs[0].token_ids
+            expected[tuple(p)] = (new, ref(torch.tensor([p + new]), use_cache=False).logits[0][len(p) - 1 : -1])
     for caching in (False, True):
         small = LLM(
             str(path), progress=False, block_size=16, num_kv_blocks=12, max_model_len=160, enable_prefix_caching=caching
         )
-        assert [o.outputs[0].token_ids for o in small.generate(prompts, params)] == expected
+        seen = _sampled_logits(small, monkeypatch)
+        for run in [prompts]:
+            seen.clear()
+            outs = small.generate([{"prompt_token_ids": p} for p in run], params)
+            for p, out in zip(run, outs):
+                new, want = expected[tuple(p)]
+                assert out.outputs[0].token_ids == new
+                got = torch.stack(seen[f"{out.request_id}#0"])
+                assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
         assert small.engine.scheduler.num_preemptions > 0
         assert small.engine.kv.all_free()
+    roomy = LLM(str(path), progress=False, block_size=16)
+    seen = _sampled_logits(roomy, monkeypatch)
+    prompt = prompts[5]
+    outs = [roomy.generate([{"prompt_token_ids": prompt}], params)[0] for _ in range(2)]
+    assert outs[1].num_cached_tokens == (len(prompt) - 1) // 16 * 16  # resumed from a state checkpoint
+    new, want = expected[tuple(prompt)]
+    assert outs[1].outputs[0].token_ids == new
+    got = torch.stack(seen[f"{outs[1].request_id}#0"])
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
+def _sampled_logits(llm: LLM, monkeypatch) -> dict[str, list[torch.Tensor]]:
+    """Per engine request id, the logits each of its tokens was sampled from."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    execute = llm.engine.runner.execute
+
+    def recording(batch):
+        out = execute(batch)
+        for rid, row in out.sample_rows.items():
+            seen.setdefault(rid, []).append(out.logits[row].clone())
+        return out
+
+    monkeypatch.setattr(llm.engine.runner, "execute", recording)
+    return seen
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -65,7 +90,7 @@ def test_handoff_between_unlike_workers_gives_the_lone_workers_tokens(family, re
     prefill = LLM(str(path), progress=False, block_size=16, max_num_batched_tokens=64)
     for decode_args in ({"block_size": 32, "kv_layout": "HND"}, {"block_size": 8, "kv_cache_dtype": "bfloat16"}):
         decode = LLM(str(path), progress=False, **decode_args)
-        logits = _decode_logits(decode, monkeypatch)
+        seen = _sampled_logits(decode, monkeypatch)
         for n in (7, 150):
             ids = _ids(n, 50 + n)
             lone = decode.generate([{"prompt_token_ids": ids}], GREEDY)[0]
@@ -74,15 +99,16 @@ def test_handoff_between_unlike_workers_gives_the_lone_workers_tokens(family, re
                 header, _ = wire.read_header(span, decode.engine.kv_secret)
                 states = [t for t in header["tensors"] if t["kind"] == "state"]
                 assert states and all(t["start"] == n for t in states)
-                logits.clear()
+                seen.clear()
                 out = run_imported(decode, ids, span, GREEDY)
                 new = out.outputs[0].token_ids
                 assert new == lone.outputs[0].token_ids, (family, decode_args, n, fmt)
                 if "kv_cache_dtype" not in decode_args:  # every decode step after the import: the reference's logits
                     with torch.no_grad():
                         full = ref(torch.tensor([ids + new]), use_cache=False).logits[0]
-                    expected = full[n : n + len(logits)]
+                    logits = seen[f"{out.request_id}#0"]
                     assert len(logits) == len(new) - 1
+                    expected = full[n : n + len(logits)]
                     assert ((torch.stack(logits) - expected).abs().max() / expected.abs().max()).item() < 1e-4
                 assert decode.engine.kv.all_free()
 
