@@ -37,6 +37,9 @@ SOURCES = [
         "decode.cpp",
         "recurrent.cpp",
         "hybrid_decode.cpp",
+        "hybrid_step.cpp",
+        "gdn_step.cpp",
+        "moe_step.cpp",
     )
 ]
 # -march=native: the library is built on the machine that runs it (AVX-512 where the CPU has it)
