@@ -12,7 +12,22 @@ from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
 from baton.models.layers import PackedLinear
 from baton.models.moe import SparseMoE
+from baton.models.recurrent import StateMetadata
 from baton.ops import ops
+
+
+def decode_state_rows(meta: StateMetadata | None) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A decode step's recurrent metadata as the C++ steps take it: each row's state slot, and per
+    checkpoint to take its row, its offset (0: before the row's token, 1: after) and its id."""
+    seqs = meta.seqs if meta is not None else []
+    slots, snap_rows, snap_offsets, snap_ids = [0] * len(seqs), [], [], []
+    for seq in seqs:  # one row each
+        slots[seq.q_start] = seq.slot
+        for offset, cid in seq.snapshots:
+            snap_rows.append(seq.q_start)
+            snap_offsets.append(offset)
+            snap_ids.append(cid)
+    return slots, snap_rows, snap_offsets, snap_ids
 
 
 class FusedHybridDecoder:
@@ -132,15 +147,8 @@ class FusedHybridDecoder:
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx) -> torch.Tensor:
         """x: the embedded decode tokens, one per row; rope: the full-attention cos and signed sin."""
-        groups, meta = ctx.groups, ctx.state_meta
-        seqs = meta.seqs if meta is not None else []
-        slots, snap_rows, snap_offsets, snap_ids = [0] * len(seqs), [], [], []
-        for seq in seqs:  # one row each
-            slots[seq.q_start] = seq.slot
-            for offset, cid in seq.snapshots:
-                snap_rows.append(seq.q_start)
-                snap_offsets.append(offset)
-                snap_ids.append(cid)
+        groups = ctx.groups
+        slots, snap_rows, snap_offsets, snap_ids = decode_state_rows(ctx.state_meta)
         self.steps += 1
         return self._decoder.forward(
             x,

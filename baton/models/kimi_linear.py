@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.spec import LayerKind
+from baton.kv.state import StateStorage
+from baton.kv.storage import KVStorage
+from baton.models.fused_kimi_decode import FusedKimiDecoder
 from baton.models.layers import RMSNorm
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.mla import MLAttention
@@ -151,7 +154,7 @@ class KimiDecoderLayer(nn.Module):
 
 
 class KimiLinearForCausalLM(LlamaForCausalLM):
-    """No rotary anywhere (NoPE MLA); no fused C++ decode step (it knows neither KDA nor MLA)."""
+    """No rotary anywhere (NoPE MLA); decode-only steps as one C++ call (baton/models/fused_kimi_decode.py)."""
 
     layer_cls = KimiDecoderLayer
     layer_kinds_from = staticmethod(layer_kinds)
@@ -162,18 +165,29 @@ class KimiLinearForCausalLM(LlamaForCausalLM):
         super().__init__(cfg)
         self.rotary = nn.ModuleDict()
         self.layer_kinds = []
-        self.fused_decode = False
+        self.fused_decode = True
+        self._fused_states: StateStorage | None = None
         self._weight_map: dict[str, tuple[str, int | None, tuple[int, ...]]] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed(input_ids)
+        one_token_rows = ctx.state_meta is None or all(s.q_end - s.q_start == 1 for s in ctx.state_meta.seqs)
+        if ctx.decode_only and one_token_rows and self._fused_decoder_for(ctx.storage, ctx.states) is not None:
+            return self.fused_decoder(x, ctx)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         return self.norm(x, residual)
 
-    def _fused_decoder_for(self, storage):  # the engine sets fused_decode from its config: never fuse
-        return None
+    def _fused_decoder_for(self, storage: KVStorage, states: StateStorage | None = None) -> FusedKimiDecoder | None:
+        """The one-call decode step over `storage` and `states`, built on first use; None where it does not apply."""
+        if not self.fused_decode:
+            return None
+        if self._fused_storage is not storage or self._fused_states is not states:
+            self._fused_storage, self._fused_states = storage, states
+            supported = FusedKimiDecoder.supports(self, storage, states)
+            self.fused_decoder = FusedKimiDecoder(self, storage, states) if supported else None
+        return self.fused_decoder
 
     # ---- weights: checkpoint names in, fused parameters out ------------------------------------
     def _hf_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int | None, tuple[int, ...]]]:

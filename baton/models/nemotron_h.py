@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.spec import LayerKind
+from baton.kv.state import StateStorage
+from baton.kv.storage import KVStorage
+from baton.models.fused_nemotron_decode import FusedNemotronDecoder
 from baton.models.layers import RMSNorm, pack_linears, paged_attention
 from baton.models.llama import ForwardContext
 from baton.models.model_config import TextModelConfig
@@ -221,15 +224,30 @@ class NemotronHForCausalLM(nn.Module):
         self.layers = nn.ModuleList(NemotronHBlock(cfg, i, t) for i, t in enumerate(types))
         self.norm_f = RMSNorm(cfg.hidden_size, _eps(cfg))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.fused_decode = False  # the one-call C++ decode step knows no Mamba layers
-        self.fused_decoder = None
+        self.fused_decode = True  # decode-only steps as one C++ call (baton/models/fused_nemotron_decode.py)
+        self.fused_decoder: FusedNemotronDecoder | None = None
+        self._fused_storage: KVStorage | None = None  # the storage and states fused_decoder was decided for
+        self._fused_states: StateStorage | None = None
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embeddings(input_ids), None  # no positional encoding anywhere
+        one_token_rows = ctx.state_meta is None or all(s.q_end - s.q_start == 1 for s in ctx.state_meta.seqs)
+        if ctx.decode_only and one_token_rows and self._fused_decoder_for(ctx.storage, ctx.states) is not None:
+            return self.fused_decoder(x, ctx)
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         return self.norm_f(x, residual)
+
+    def _fused_decoder_for(self, storage: KVStorage, states: StateStorage | None = None) -> FusedNemotronDecoder | None:
+        """The one-call decode step over `storage` and `states`, built on first use; None where it does not apply."""
+        if not self.fused_decode:
+            return None
+        if self._fused_storage is not storage or self._fused_states is not states:
+            self._fused_storage, self._fused_states = storage, states
+            supported = FusedNemotronDecoder.supports(self, storage, states)
+            self.fused_decoder = FusedNemotronDecoder(self, storage, states) if supported else None
+        return self.fused_decoder
 
     def pack_linears(self) -> None:
         if self.lm_head is None:

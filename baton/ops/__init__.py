@@ -40,6 +40,15 @@ SOURCES = [
         "hybrid_step.cpp",
         "gdn_step.cpp",
         "moe_step.cpp",
+        "step_common.cpp",
+        "sigmoid_route.cpp",
+        "mamba_step.cpp",
+        "nemotron_decode.cpp",
+        "nemotron_step.cpp",
+        "kda_step.cpp",
+        "mla_step.cpp",
+        "kimi_decode.cpp",
+        "kimi_step.cpp",
     )
 ]
 # -march=native: the library is built on the machine that runs it (AVX-512 where the CPU has it)

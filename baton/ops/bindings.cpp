@@ -1,7 +1,9 @@
 #include "ops.h"
 
-void bind_fused_decoder(pybind11::module_& m);         // decode.cpp
-void bind_fused_hybrid_decoder(pybind11::module_& m);  // hybrid_decode.cpp
+void bind_fused_decoder(pybind11::module_& m);           // decode.cpp
+void bind_fused_hybrid_decoder(pybind11::module_& m);    // hybrid_decode.cpp
+void bind_fused_nemotron_decoder(pybind11::module_& m);  // nemotron_decode.cpp
+void bind_fused_kimi_decoder(pybind11::module_& m);      // kimi_decode.cpp
 
 // Every op releases the GIL while it runs (its arguments are converted before, its result after),
 // so Python threads such as the server's event loop go on meanwhile. No op touches a Python object.
@@ -20,4 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("recurrent_scan_", &recurrent_scan_, "recurrent-state scan over tokens, state in place", release());
   bind_fused_decoder(m);
   bind_fused_hybrid_decoder(m);
+  bind_fused_nemotron_decoder(m);
+  bind_fused_kimi_decoder(m);
 }

@@ -4,6 +4,7 @@
 #include "torch_rounding.h"  // first: cpu_vec.h picks the vector width before any ATen header
 
 #include "gdn_step.h"
+#include "step_common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -99,15 +100,7 @@ torch::Tensor gdn_conv_(const GdnShape& s, const torch::Tensor& qkvz, const torc
             const int64_t cc = c - 2 * key_dim;
             col = cc / (r * dv) * group_width + 2 * dk + cc % (r * dv);
           }
-          const float xin = row[col];
-          const float* wc = w + c * kc;
-          float* sc = st + c * km1;
-          float acc = 0.f;
-          for (int64_t k = 0; k < km1; ++k) acc = std::fma(wc[k], sc[k], acc);
-          acc = std::fma(wc[km1], xin, acc);
-          out[t * channels + c] = acc;
-          for (int64_t k = 0; k + 1 < km1; ++k) sc[k] = sc[k + 1];
-          sc[km1 - 1] = xin;
+          out[t * channels + c] = conv_window_step(w + c * kc, st + c * km1, km1, row[col], 0.f);
         }
       }
     });

@@ -1,32 +1,12 @@
 // FusedHybridDecoder (hybrid_decode.h): its layers' registration and the checks of their weights,
 // the checks of a step's metadata, and the Python bindings. The step runs in hybrid_step.cpp.
 #include "hybrid_decode.h"
+#include "step_common.h"
 
 #include <pybind11/stl.h>
 
 #include <algorithm>
 #include <tuple>
-
-namespace {
-
-void check_float(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.defined() && t.scalar_type() == at::kFloat && t.device().is_cpu(), name,
-              " must be a float32 CPU tensor");
-}
-
-void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
-  check_float(t, name);
-  TORCH_CHECK(t.is_contiguous() && t.numel() == n, name, " must be contiguous [", n, "], got ", t.sizes());
-}
-
-void check_panels(const torch::Tensor& t, int64_t k, int64_t n, const char* name) {
-  check_float(t, name);
-  TORCH_CHECK(t.dim() == 3 && t.is_contiguous() && t.size(1) == k && t.size(2) == panel_lanes() &&
-                  t.size(0) * panel_lanes() >= n,
-              name, " must be packed panels of a [", n, ", ", k, "] weight, got ", t.sizes());
-}
-
-}  // namespace
 
 FusedHybridDecoder::FusedHybridDecoder(int64_t hidden, double eps, double norm_offset, torch::Tensor final_norm,
                                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
@@ -222,46 +202,16 @@ void FusedHybridDecoder::check_step(const torch::Tensor& x, const torch::Tensor&
                     t->stride(1) == 1 && t->device().is_cpu(),
                 "cos and sin must be float32 [rows=", n, ", rotary dim=", rotary_dim_, "], got ", t->scalar_type(),
                 " ", t->sizes());
-  const size_t groups = slot_mapping.size();
-  TORCH_CHECK(block_ids.size() == groups && kv_offsets.size() == groups && kv_lens.size() == groups,
-              "one block table, offset and length per KV group");
+  TORCH_CHECK(slot_mapping.size() == block_ids.size(), "one block table per KV group");
   for (size_t i = 0; i < layers_.size(); ++i)
-    TORCH_CHECK(layers_[i].recurrent || layers_[i].group < static_cast<int64_t>(groups), "layer ", i,
+    TORCH_CHECK(layers_[i].recurrent || layers_[i].group < static_cast<int64_t>(slot_mapping.size()), "layer ", i,
                 " reads a KV group that was not given");
-  for (size_t g = 0; g < std::min(groups, group_slots_.size()); ++g) {
-    if (group_slots_[g] == std::numeric_limits<int64_t>::max()) continue;  // no layer reads it
-    const torch::Tensor& slots = slot_mapping[g];
-    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n &&
-                    slots.device().is_cpu(),
-                "slot_mapping must be contiguous int64 [rows=", n, "], got ", slots.scalar_type(), " ",
-                slots.sizes());
-    const int64_t* slot = slots.data_ptr<int64_t>();
-    for (int64_t t = 0; t < n; ++t)
-      TORCH_CHECK(slot[t] >= 0 && slot[t] < group_slots_[g], "slot_mapping[", g, "][", t, "] = ", slot[t],
-                  " is outside the KV cache's ", group_slots_[g], " slots");
-    check_decode_context(block_ids[g], kv_offsets[g], kv_lens[g], n, block_size, group_slots_[g] / block_size);
-  }
+  check_kv_step(n, slot_mapping, block_ids, kv_offsets, kv_lens, block_size, group_slots_);
   const bool any_recurrent =
       std::any_of(layers_.begin(), layers_.end(), [](const HybridLayer& l) { return l.recurrent; });
-  if (!any_recurrent) return;
-  TORCH_CHECK(static_cast<int64_t>(state_slots.size()) == n, "one state slot per row: ", state_slots.size(),
-              " for ", n, " rows");
-  std::vector<int64_t> seen(state_slots);
-  std::sort(seen.begin(), seen.end());
-  TORCH_CHECK(std::adjacent_find(seen.begin(), seen.end()) == seen.end(), "two rows share a state slot");
-  for (int64_t t = 0; t < n; ++t)
-    TORCH_CHECK(state_slots[t] >= 0 && state_slots[t] < num_state_slots_, "state slot ", state_slots[t], " of row ",
-                t, " is outside the ", num_state_slots_, " slots");
-  TORCH_CHECK(snapshot_rows.size() == snapshot_offsets.size() && snapshot_rows.size() == snapshot_ids.size(),
-              "one row, offset and checkpoint id per snapshot");
-  for (size_t i = 0; i < snapshot_rows.size(); ++i) {
-    TORCH_CHECK(snapshot_rows[i] >= 0 && snapshot_rows[i] < n, "snapshot row ", snapshot_rows[i],
-                " is outside the ", n, " rows");
-    TORCH_CHECK(snapshot_offsets[i] == 0 || snapshot_offsets[i] == 1, "a decode row's snapshot is 0 or 1 rows in, got ",
-                snapshot_offsets[i]);
-    TORCH_CHECK(snapshot_ids[i] >= 0 && snapshot_ids[i] < num_checkpoints_, "checkpoint ", snapshot_ids[i],
-                " is outside the ", num_checkpoints_, " checkpoints");
-  }
+  if (any_recurrent)
+    check_state_step(n, state_slots, num_state_slots_, snapshot_rows, snapshot_offsets, snapshot_ids,
+                     num_checkpoints_);
 }
 
 void bind_fused_hybrid_decoder(pybind11::module_& m) {

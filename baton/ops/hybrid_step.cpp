@@ -5,21 +5,11 @@
 
 #include "hybrid_decode.h"
 #include "moe_step.h"
+#include "step_common.h"
 
 #include <cstring>
 
 namespace {
-
-// cache[slots[t], h] = src[t, h] for src [rows, kv heads, dim] (any strides but the last)
-void write_kv(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots) {
-  const int64_t rows = src.size(0), heads = src.size(1), bytes = src.size(2) * sizeof(float);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const float* s = src.data_ptr<float>();
-  float* c = cache.data_ptr<float>();
-  for (int64_t t = 0; t < rows; ++t)
-    for (int64_t h = 0; h < heads; ++h)
-      std::memcpy(c + slot[t] * cache.stride(0) + h * cache.stride(1), s + t * src.stride(0) + h * src.stride(1), bytes);
-}
 
 // Partial rotary in place over x [rows, heads, D] (any strides but the last): the first rot dims
 // of every head become x * cos + rotate_half(x) * sin with the sign folded into sin; the products
@@ -171,12 +161,8 @@ torch::Tensor FusedHybridDecoder::delta_net(HybridLayer& l, const torch::Tensor&
 
 // The checkpoints of this layer's state taken `offset` rows into their row (0: before its token).
 void FusedHybridDecoder::snapshot(HybridLayer& l, const Step& step, int64_t offset) const {
-  for (size_t i = 0; i < step.snapshot_rows.size(); ++i) {
-    if (step.snapshot_offsets[i] != offset) continue;
-    const int64_t slot = step.slots[step.snapshot_rows[i]], cid = step.snapshot_ids[i];
-    l.conv_ckpt.select(0, cid).copy_(l.conv_state.select(0, slot));
-    l.rec_ckpt.select(0, cid).copy_(l.rec_state.select(0, slot));
-  }
+  snapshot_states(l.conv_ckpt, l.rec_ckpt, l.conv_state, l.rec_state, step.slots, step.snapshot_rows,
+                  step.snapshot_offsets, step.snapshot_ids, offset);
 }
 
 torch::Tensor FusedHybridDecoder::dense_mlp(HybridLayer& l, const torch::Tensor& x, HybridStopwatch& watch) {

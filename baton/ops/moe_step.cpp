@@ -40,8 +40,16 @@ MoeRouting moe_route_(torch::Tensor& probs, int64_t top_k, bool norm_topk) {
 // An expert's weighted rows are added to the sum as torch's index_add_ of the rounded products.
 torch::Tensor moe_experts(const torch::Tensor& x, const MoeRouting& routing, const std::vector<torch::Tensor>& gate_up,
                           const std::vector<torch::Tensor>& down, int64_t intermediate) {
+  const int64_t hidden = x.size(1);
+  return moe_experts_by(x, routing, static_cast<int64_t>(gate_up.size()), [&](int64_t e, const torch::Tensor& xe) {
+    const torch::Tensor act = gated_act(panel_linear(xe, gate_up[e], c10::nullopt, 2 * intermediate), false);
+    return panel_linear(act, down[e], c10::nullopt, hidden);
+  });
+}
+
+torch::Tensor moe_experts_by(const torch::Tensor& x, const MoeRouting& routing, int64_t experts,
+                             const MoeExpertFn& expert) {
   const int64_t n = x.size(0), hidden = x.size(1), top_k = routing.top_k;
-  const int64_t experts = static_cast<int64_t>(gate_up.size());
   torch::Tensor out = torch::zeros({n, hidden}, x.options());
   float* outp = out.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
@@ -61,8 +69,7 @@ torch::Tensor moe_experts(const torch::Tensor& x, const MoeRouting& routing, con
     torch::Tensor xe = torch::empty({m, hidden}, x.options());
     for (int64_t i = 0; i < m; ++i)
       std::memcpy(xe.data_ptr<float>() + i * hidden, xp + rows[i] * hidden, hidden * sizeof(float));
-    const torch::Tensor act = gated_act(panel_linear(xe, gate_up[e], c10::nullopt, 2 * intermediate), false);
-    const torch::Tensor y = panel_linear(act, down[e], c10::nullopt, hidden);
+    const torch::Tensor y = expert(e, xe);
     const float* yp = y.data_ptr<float>();
     for (int64_t i = 0; i < m; ++i) {
       float* o = outp + rows[i] * hidden;

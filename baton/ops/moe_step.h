@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 // Each row's top_k experts, the largest first, and their weights: [rows * top_k] each
@@ -22,6 +23,11 @@ MoeRouting moe_route_(torch::Tensor& probs, int64_t top_k, bool norm_topk);
 // expert run once on all its rows: [n, hidden] for x [n, hidden].
 torch::Tensor moe_experts(const torch::Tensor& x, const MoeRouting& routing, const std::vector<torch::Tensor>& gate_up,
                           const std::vector<torch::Tensor>& down, int64_t intermediate);
+
+// moe_experts over any experts: expert(e, xe) is expert e's output [m, hidden] for its rows xe [m, hidden]
+using MoeExpertFn = std::function<torch::Tensor(int64_t, const torch::Tensor&)>;
+torch::Tensor moe_experts_by(const torch::Tensor& x, const MoeRouting& routing, int64_t num_experts,
+                             const MoeExpertFn& expert);
 
 // out += sigmoid(gate(x)) * shared(x), or out += shared(x) where gate is undefined.
 void moe_add_shared_(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& gate_up,

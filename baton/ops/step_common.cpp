@@ -1,0 +1,93 @@
+// The fused decode steps' shared metadata checks and state checkpoints (step_common.h).
+#include "step_common.h"
+
+#include "ops.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+void check_float(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.defined() && t.scalar_type() == at::kFloat && t.device().is_cpu(), name,
+              " must be a float32 CPU tensor");
+}
+
+void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
+  check_float(t, name);
+  TORCH_CHECK(t.is_contiguous() && t.numel() == n, name, " must be contiguous [", n, "], got ", t.sizes());
+}
+
+void check_panels(const torch::Tensor& t, int64_t k, int64_t n, const char* name) {
+  check_float(t, name);
+  TORCH_CHECK(t.dim() == 3 && t.is_contiguous() && t.size(1) == k && t.size(2) == panel_lanes() &&
+                  t.size(0) * panel_lanes() >= n,
+              name, " must be packed panels of a [", n, ", ", k, "] weight, got ", t.sizes());
+}
+
+void check_kv_step(int64_t n, const std::vector<torch::Tensor>& slot_mapping,
+                   const std::vector<torch::Tensor>& block_ids, const std::vector<torch::Tensor>& kv_offsets,
+                   const std::vector<torch::Tensor>& kv_lens, int64_t block_size,
+                   const std::vector<int64_t>& group_slots) {
+  const size_t groups = slot_mapping.size();
+  TORCH_CHECK(block_ids.size() == groups && kv_offsets.size() == groups && kv_lens.size() == groups,
+              "one block table, offset and length per KV group");
+  TORCH_CHECK(block_size >= 1, "block_size must be at least 1, got ", block_size);
+  for (size_t g = 0; g < std::min(groups, group_slots.size()); ++g) {
+    if (group_slots[g] == std::numeric_limits<int64_t>::max()) continue;  // no layer reads it
+    const torch::Tensor& slots = slot_mapping[g];
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == n &&
+                    slots.device().is_cpu(),
+                "slot_mapping must be contiguous int64 [rows=", n, "], got ", slots.scalar_type(), " ",
+                slots.sizes());
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < n; ++t)
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < group_slots[g], "slot_mapping[", g, "][", t, "] = ", slot[t],
+                  " is outside the KV cache's ", group_slots[g], " slots");
+    check_decode_context(block_ids[g], kv_offsets[g], kv_lens[g], n, block_size, group_slots[g] / block_size);
+  }
+}
+
+void check_state_step(int64_t n, const std::vector<int64_t>& state_slots, int64_t num_slots,
+                      const std::vector<int64_t>& snapshot_rows, const std::vector<int64_t>& snapshot_offsets,
+                      const std::vector<int64_t>& snapshot_ids, int64_t num_checkpoints) {
+  TORCH_CHECK(static_cast<int64_t>(state_slots.size()) == n, "one state slot per row: ", state_slots.size(),
+              " for ", n, " rows");
+  std::vector<int64_t> seen(state_slots);
+  std::sort(seen.begin(), seen.end());
+  TORCH_CHECK(std::adjacent_find(seen.begin(), seen.end()) == seen.end(), "two rows share a state slot");
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(state_slots[t] >= 0 && state_slots[t] < num_slots, "state slot ", state_slots[t], " of row ", t,
+                " is outside the ", num_slots, " slots");
+  TORCH_CHECK(snapshot_rows.size() == snapshot_offsets.size() && snapshot_rows.size() == snapshot_ids.size(),
+              "one row, offset and checkpoint id per snapshot");
+  for (size_t i = 0; i < snapshot_rows.size(); ++i) {
+    TORCH_CHECK(snapshot_rows[i] >= 0 && snapshot_rows[i] < n, "snapshot row ", snapshot_rows[i],
+                " is outside the ", n, " rows");
+    TORCH_CHECK(snapshot_offsets[i] == 0 || snapshot_offsets[i] == 1, "a decode row's snapshot is 0 or 1 rows in, got ",
+                snapshot_offsets[i]);
+    TORCH_CHECK(snapshot_ids[i] >= 0 && snapshot_ids[i] < num_checkpoints, "checkpoint ", snapshot_ids[i],
+                " is outside the ", num_checkpoints, " checkpoints");
+  }
+}
+
+void snapshot_states(torch::Tensor& conv_ckpt, torch::Tensor& rec_ckpt, const torch::Tensor& conv_state,
+                     const torch::Tensor& rec_state, const std::vector<int64_t>& slots,
+                     const std::vector<int64_t>& snapshot_rows, const std::vector<int64_t>& snapshot_offsets,
+                     const std::vector<int64_t>& snapshot_ids, int64_t offset) {
+  for (size_t i = 0; i < snapshot_rows.size(); ++i) {
+    if (snapshot_offsets[i] != offset) continue;
+    const int64_t slot = slots[snapshot_rows[i]], cid = snapshot_ids[i];
+    conv_ckpt.select(0, cid).copy_(conv_state.select(0, slot));
+    rec_ckpt.select(0, cid).copy_(rec_state.select(0, slot));
+  }
+}
+
+void write_kv(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots) {
+  const int64_t rows = src.size(0), heads = src.size(1), bytes = src.size(2) * sizeof(float);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* s = src.data_ptr<float>();
+  float* c = cache.data_ptr<float>();
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(c + slot[t] * cache.stride(0) + h * cache.stride(1), s + t * src.stride(0) + h * src.stride(1), bytes);
+}

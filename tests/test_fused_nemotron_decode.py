@@ -1,0 +1,70 @@
+"""NemotronH's decode-only steps as one C++ call (baton/models/fused_nemotron_decode.py): the bits
+of the module-by-module path, prefix-cache hits, and Mamba2 state checkpoints taken during decode."""
+
+from __future__ import annotations
+
+from baton import LLM, SamplingParams
+from tests.test_nemotron_h import nemotron  # noqa: F401  (the random model fixture)
+from tests.test_recurrent_hybrid import _ids
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def _tokens(out) -> list[int]:
+    return out.outputs[0].token_ids
+
+
+def _logprobs(out) -> list[float]:
+    return [entry[tok].logprob for tok, entry in zip(_tokens(out), out.outputs[0].logprobs)]
+
+
+def _fused_steps(llm: LLM) -> int:
+    decoder = llm.engine.model.fused_decoder
+    return 0 if decoder is None else decoder.steps
+
+
+def test_fused_decode_has_the_bits_of_the_module_path(nemotron, monkeypatch):  # noqa: F811
+    _, path = nemotron
+    llm = LLM(str(path), progress=False, block_size=16)
+    prompts = [{"prompt_token_ids": _ids(n, 50 + n)} for n in (150, 40, 77)]
+    fused = llm.generate(prompts, PARAMS)
+    assert _fused_steps(llm) >= PARAMS.max_tokens - 1  # the decode steps ran as one C++ call
+    monkeypatch.setattr(llm.engine.model, "fused_decode", False)
+    steps = _fused_steps(llm)
+    modules = llm.generate(prompts, PARAMS)
+    assert _fused_steps(llm) == steps
+    for f, m in zip(fused, modules):
+        assert _tokens(f) == _tokens(m)
+        assert _logprobs(f) == _logprobs(m)  # bitwise, not just close
+    assert llm.engine.kv.all_free()
+
+
+def test_prefix_cache_repeat_with_fused_decode(nemotron):  # noqa: F811
+    _, path = nemotron
+    llm = LLM(str(path), progress=False, block_size=16)
+    prompt = {"prompt_token_ids": _ids(150, 2)}
+    first = llm.generate([prompt], PARAMS)[0]
+    again = llm.generate([prompt], PARAMS)[0]
+    assert again.num_cached_tokens == 144
+    assert _tokens(again) == _tokens(first) and _logprobs(again) == _logprobs(first)
+    assert _fused_steps(llm) >= 2 * (PARAMS.max_tokens - 1)
+    assert llm.engine.kv.all_free()
+
+
+def test_checkpoints_taken_during_fused_decode_resume_a_longer_prompt(nemotron):  # noqa: F811
+    _, path = nemotron
+    llm = LLM(str(path), progress=False, block_size=16)
+    prompt = _ids(150, 3)
+    answer = _tokens(
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    )
+    assert len(answer) == 30 and _fused_steps(llm) >= 29
+    # blocks 160 and 176 were reached by decode steps: their Mamba2 checkpoints came from the C++ step
+    follow_up = {"prompt_token_ids": prompt + answer + _ids(5, 4)}
+    out = llm.generate([follow_up], PARAMS)[0]
+    assert out.num_cached_tokens == (150 + 30 - 1) // 16 * 16 == 176
+    cold = LLM(str(path), progress=False, block_size=16, enable_prefix_caching=False, fused_decode=False)
+    expected = cold.generate([follow_up], PARAMS)[0]
+    assert _tokens(out) == _tokens(expected)
+    assert max(abs(a - b) for a, b in zip(_logprobs(out), _logprobs(expected))) < 1e-5
+    assert llm.engine.kv.all_free()
