@@ -1,3 +1,5 @@
+#include <torch/extension.h>
+
 #include "ops.h"
 
 void bind_fused_decoder(pybind11::module_& m);           // decode.cpp

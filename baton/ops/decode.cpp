@@ -6,6 +6,7 @@
 #include "ops.h"
 
 #include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>  // Tensor <-> Python for the bindings below
 
 #include <array>
 #include <algorithm>

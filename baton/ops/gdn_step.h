@@ -2,7 +2,7 @@
 // Gated DeltaNet for one decode token per row, in the stages of GatedDeltaNet.forward between its
 // input projections and out_proj (gdn_step.cpp); FusedHybridDecoder::delta_net runs them in order.
 // Each stage has the bits of the module path's torch ops (torch_rounding.h).
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <utility>

@@ -4,7 +4,7 @@
 // the bits of the module path's conv1d (torch_rounding.h, step_common.h); the rest runs the module
 // path's very ATen ops on the same views (its l2norm's torch.sqrt is MKL's, not libm's), the delta
 // rule recurrent_scan_ itself, one call per row as the module path makes it.
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <vector>

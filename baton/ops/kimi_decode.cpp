@@ -5,6 +5,7 @@
 #include "step_common.h"
 
 #include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>  // Tensor <-> Python for the bindings below
 
 #include <algorithm>
 #include <tuple>

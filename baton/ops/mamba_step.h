@@ -3,7 +3,7 @@
 // out_proj (mamba_step.cpp); FusedNemotronDecoder::mamba runs them in order. Each stage has the
 // bits of the module path's torch ops (torch_rounding.h): the scan step is recurrent_scan_'s
 // arithmetic without beta, with q = C, k = B, v = dt x, decay = dt A over the state [heads, N, P].
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <vector>

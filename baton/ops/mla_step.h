@@ -2,7 +2,7 @@
 // NoPE multi-head latent attention for one decode token per row, absorbed (MLAttention._decode,
 // baton/models/mla.py): the queries meet the cached latents through W_UK, the output leaves
 // through W_UV. It runs the module path's very ATen ops (mla_step.cpp), so its bits are the same.
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cstdint>
 

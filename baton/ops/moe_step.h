@@ -2,7 +2,7 @@
 // SparseMoE.forward for the fused hybrid decode step (moe_step.cpp), in its stages: softmax routing
 // and top-k, the routed experts, the shared expert. FusedHybridDecoder::moe runs them in order,
 // after the router's linear; each has the bits of the module path (baton/models/moe.py).
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <functional>

@@ -1,7 +1,7 @@
 #pragma once
 // The ops of baton/ops/*.cpp as C++ functions: bound to Python in bindings.cpp and composed by
 // decode.cpp's fused decode step.
-#include <torch/extension.h>
+#include <torch/types.h>
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_table,

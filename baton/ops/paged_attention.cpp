@@ -5,7 +5,7 @@
 #include "ops.h"
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>

@@ -6,7 +6,7 @@
 #include "cpu_vec.h"
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <sys/mman.h>
 

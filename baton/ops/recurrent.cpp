@@ -11,7 +11,7 @@
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 

@@ -6,7 +6,7 @@
 // so its weights, and the order in which a row's top-k weights are summed, have the same bits.
 #include "moe_step.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cstdint>
 

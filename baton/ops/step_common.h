@@ -3,7 +3,7 @@
 // nemotron_decode.h: NemotronH) share: the checks of their weights and of a step's KV and state
 // metadata before any write, one channel of a causal conv over its slot's window, and the state
 // checkpoints a decode row takes before or after its token (baton/models/recurrent.py's segments).
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cmath>
 #include <cstdint>
