@@ -25,7 +25,7 @@ def _fused_steps(llm: LLM) -> int:
 
 def test_fused_decode_has_the_bits_of_the_module_path(kimi, monkeypatch):  # noqa: F811
     _, path = kimi
-    llm = LLM(str(path), progress=False, block_size=16)
+    llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16)
     prompts = [{"prompt_token_ids": _ids(n, 50 + n)} for n in (150, 40, 77)]
     fused = llm.generate(prompts, PARAMS)
     assert _fused_steps(llm) >= PARAMS.max_tokens - 1  # the decode steps ran as one C++ call
@@ -41,7 +41,7 @@ def test_fused_decode_has_the_bits_of_the_module_path(kimi, monkeypatch):  # noq
 
 def test_prefix_cache_repeat_with_fused_decode(kimi):  # noqa: F811
     _, path = kimi
-    llm = LLM(str(path), progress=False, block_size=16)
+    llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16)
     prompt = {"prompt_token_ids": _ids(150, 2)}
     first = llm.generate([prompt], PARAMS)[0]
     again = llm.generate([prompt], PARAMS)[0]
@@ -53,7 +53,7 @@ def test_prefix_cache_repeat_with_fused_decode(kimi):  # noqa: F811
 
 def test_checkpoints_taken_during_fused_decode_resume_a_longer_prompt(kimi):  # noqa: F811
     _, path = kimi
-    llm = LLM(str(path), progress=False, block_size=16)
+    llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16)
     prompt = _ids(150, 3)
     answer = _tokens(
         llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
@@ -63,7 +63,14 @@ def test_checkpoints_taken_during_fused_decode_resume_a_longer_prompt(kimi):  # 
     follow_up = {"prompt_token_ids": prompt + answer + _ids(5, 4)}
     out = llm.generate([follow_up], PARAMS)[0]
     assert out.num_cached_tokens == (150 + 30 - 1) // 16 * 16 == 176
-    cold = LLM(str(path), progress=False, block_size=16, enable_prefix_caching=False, fused_decode=False)
+    cold = LLM(
+        str(path),
+        progress=False,
+        kv_cache_memory_bytes=64 << 20,
+        block_size=16,
+        enable_prefix_caching=False,
+        fused_decode=False,
+    )
     expected = cold.generate([follow_up], PARAMS)[0]
     assert _tokens(out) == _tokens(expected)
     assert max(abs(a - b) for a, b in zip(_logprobs(out), _logprobs(expected))) < 1e-5

@@ -37,7 +37,7 @@ def test_decode_after_a_prefix_hit_and_after_preemption_keeps_the_reference_logi
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     expected = {}
     with torch.no_grad():
-        plain = LLM(str(path), progress=False, block_size=16).generate(
+        plain = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16).generate(
             [{"prompt_token_ids": p} for p in prompts], params
         )
         for p, out in zip(prompts, plain):
@@ -45,7 +45,13 @@ def test_decode_after_a_prefix_hit_and_after_preemption_keeps_the_reference_logi
             expected[tuple(p)] = (new, ref(torch.tensor([p + new]), use_cache=False).logits[0][len(p) - 1 : -1])
     for caching in (False, True):
         small = LLM(
-            str(path), progress=False, block_size=16, num_kv_blocks=12, max_model_len=160, enable_prefix_caching=caching
+            str(path),
+            progress=False,
+            kv_cache_memory_bytes=64 << 20,
+            block_size=16,
+            num_kv_blocks=12,
+            max_model_len=160,
+            enable_prefix_caching=caching,
         )
         seen = _sampled_logits(small, monkeypatch)
         for run in [prompts]:
@@ -58,7 +64,7 @@ def test_decode_after_a_prefix_hit_and_after_preemption_keeps_the_reference_logi
                 assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
         assert small.engine.scheduler.num_preemptions > 0
         assert small.engine.kv.all_free()
-    roomy = LLM(str(path), progress=False, block_size=16)
+    roomy = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16)
     seen = _sampled_logits(roomy, monkeypatch)
     prompt = prompts[5]
     outs = [roomy.generate([{"prompt_token_ids": prompt}], params)[0] for _ in range(2)]
@@ -87,9 +93,9 @@ def _sampled_logits(llm: LLM, monkeypatch) -> dict[str, list[torch.Tensor]]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_handoff_between_unlike_workers_gives_the_lone_workers_tokens(family, request, monkeypatch):
     ref, path = request.getfixturevalue(family)
-    prefill = LLM(str(path), progress=False, block_size=16, max_num_batched_tokens=64)
+    prefill = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, max_num_batched_tokens=64)
     for decode_args in ({"block_size": 32, "kv_layout": "HND"}, {"block_size": 8, "kv_cache_dtype": "bfloat16"}):
-        decode = LLM(str(path), progress=False, **decode_args)
+        decode = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, **decode_args)
         seen = _sampled_logits(decode, monkeypatch)
         for n in (7, 150):
             ids = _ids(n, 50 + n)
@@ -116,8 +122,8 @@ def test_handoff_between_unlike_workers_gives_the_lone_workers_tokens(family, re
 @pytest.mark.parametrize("family", FAMILIES)
 def test_spans_missing_state_or_with_state_elsewhere_are_refused_before_any_write(family, request):
     _, path = request.getfixturevalue(family)
-    prefill = LLM(str(path), progress=False, block_size=16)
-    decode = LLM(str(path), progress=False, block_size=32)
+    prefill = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16)
+    decode = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=32)
     ids = _ids(40, 60)
     blob = prefill_output(prefill, ids).kv_span
     secret = decode.engine.kv_secret

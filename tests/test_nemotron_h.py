@@ -71,7 +71,7 @@ def test_reference_runs_the_torch_fallbacks():
 
 def test_kv_spec_pages_attention_and_keeps_state_for_mamba_only(nemotron):
     _, path = nemotron
-    llm = LLM(str(path), progress=False, block_size=16)
+    llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16)
     spec = llm.engine.kv_spec
     assert [g.layer_ids for g in spec.groups] == [(2,)]  # '*' only
     assert [g.layer_ids for g in spec.state_groups] == [(0, 3)]  # 'M' only
@@ -85,7 +85,7 @@ def test_prompt_logits_match_transformers(nemotron, chunk):
     ref, path = nemotron
     with torch.no_grad():
         expected = ref(torch.tensor([PROMPT]), use_cache=False).logits[0]
-    llm = LLM(str(path), progress=False, block_size=16, max_num_batched_tokens=chunk)
+    llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, max_num_batched_tokens=chunk)
     got = llm.prompt_logits({"prompt_token_ids": PROMPT})
     assert got.shape == expected.shape
     assert expected.abs().max() > 1.0  # a signal the mixers move
@@ -95,7 +95,7 @@ def test_prompt_logits_match_transformers(nemotron, chunk):
 
 def test_greedy_decode_and_prefix_cache_hit(nemotron):
     ref, path = nemotron
-    llm = LLM(str(path), progress=False, block_size=16, max_num_batched_tokens=64)
+    llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     first = llm.generate([{"prompt_token_ids": PROMPT}], params)[0]
     new = first.outputs[0].token_ids
@@ -120,7 +120,7 @@ def test_latent_moe_prompt_logits(tmp_path):
     ids = PROMPT[:40]
     with torch.no_grad():
         expected = ref(torch.tensor([ids]), use_cache=False).logits[0]
-    got = LLM(str(path), progress=False, block_size=16, max_num_batched_tokens=17).prompt_logits(
-        {"prompt_token_ids": ids}
-    )
+    got = LLM(
+        str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, max_num_batched_tokens=17
+    ).prompt_logits({"prompt_token_ids": ids})
     assert (got - expected).abs().max() / expected.abs().max() < 1e-4

@@ -67,14 +67,14 @@ def test_reference_runs_its_torch_fallback():
 def test_prefill_logits_match_full_forward_at_every_position(qwen3_next, chunk):
     ref, path = qwen3_next
     ids = _ids(150, 1)  # longer than 64, not a multiple of it
-    llm = LLM(str(path), progress=False, block_size=16, max_num_batched_tokens=chunk)
+    llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, max_num_batched_tokens=chunk)
     assert _rel(llm.prompt_logits({"prompt_token_ids": ids}), _full_logits(ref, ids)) < 1e-4
 
 
 def test_decode_prefix_hit_and_batch_composition_keep_the_reference_tokens(qwen3_next):
     ref, path = qwen3_next
     ids = _ids(150, 2)
-    llm = LLM(str(path), progress=False, block_size=16, max_num_batched_tokens=64)
+    llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
     first = llm.generate([{"prompt_token_ids": ids}], params)[0]
     new = _tokens(first)
@@ -90,17 +90,19 @@ def test_decode_prefix_hit_and_batch_composition_keep_the_reference_tokens(qwen3
     ]
     # the same prompt inside a batch of others, some sharing its prefix, others not
     batch = [{"prompt_token_ids": p} for p in (_ids(90, 3), ids[:100] + _ids(30, 4), ids, _ids(200, 5))]
-    outs = LLM(str(path), progress=False, block_size=16, max_num_batched_tokens=97).generate(batch, GREEDY)
+    outs = LLM(
+        str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, max_num_batched_tokens=97
+    ).generate(batch, GREEDY)
     assert _tokens(outs[2]) == new
     assert llm.engine.kv.all_free()
 
 
 def test_prefix_cache_hits_on_repeats_shared_system_prompts_and_chat_turns(qwen3_next):
     _, path = qwen3_next
-    cold = LLM(str(path), progress=False, block_size=16, enable_prefix_caching=False)
+    cold = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     # the same 1,000-token prompt twice
-    llm = LLM(str(path), progress=False, block_size=16)
+    llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16)
     prompt = {"prompt_token_ids": _ids(1000, 20)}
     outs = [llm.generate([prompt], params)[0] for _ in range(2)]
     assert outs[1].num_cached_tokens >= 976
@@ -110,7 +112,7 @@ def test_prefix_cache_hits_on_repeats_shared_system_prompts_and_chat_turns(qwen3
     prompts = [{"prompt_token_ids": system + _ids(100, 30 + i)} for i in range(10)]
     expected = [_tokens(o) for o in cold.generate(prompts, params)]
     for concurrency in (1, 8):
-        llm = LLM(str(path), progress=False, block_size=16)
+        llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16)
         outs = []
         for i in range(0, len(prompts), concurrency):
             outs += llm.generate(prompts[i : i + concurrency], params)
@@ -118,7 +120,7 @@ def test_prefix_cache_hits_on_repeats_shared_system_prompts_and_chat_turns(qwen3
         assert [_tokens(o) for o in outs] == expected
         assert llm.engine.kv.all_free()
     # a chat: turn 2 resumes after turn 1's prompt and answer, rounded down to a block
-    llm = LLM(str(path), progress=False, block_size=16)
+    llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16)
     turn1 = _ids(200, 40)
     answer = _tokens(llm.generate([{"prompt_token_ids": turn1}], SamplingParams(max_tokens=37, temperature=0.0))[0])
     turn2 = {"prompt_token_ids": turn1 + answer + _ids(50, 41)}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import os
 
 import torch
@@ -21,17 +20,12 @@ from baton.handoff.errors import InvalidKVImport
 from baton.handoff.span import model_fingerprint
 from baton.handoff.transfer import apply_import, export_span
 from baton.handoff.validate import ImportPlan, plan_import
-from baton.kv.manager import KVManager
-from baton.kv.spec import KVSpec, size_kv_pools
-from baton.kv.state import StateStorage
-from baton.kv.storage import KVStorage
+from baton.kv.memory import build_cache_memory
 from baton.models.layers import can_pack_linears
 from baton.models.loader import load_model
 from baton.outputs import CompletionOutput, RequestOutput
 from baton.sampling_params import SamplingParams
 from baton.tokenizer import load_tokenizer
-
-logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict
 _PROCESS_KV_SECRET = os.urandom(32)
@@ -59,32 +53,10 @@ class LLMEngine:
         self.model.fused_decode = config.model.fused_decode and self.model.fused_decode  # the model may lack it
         self.tokenizer = load_tokenizer(loaded.path, config.env.cache_dir, config.model.tokenizer)
         cache, sched = config.cache, config.scheduler
-        kv_dtype = getattr(torch, cache.kv_cache_dtype or config.model.dtype)
         mc = self.model_config
-        self.kv_spec = KVSpec.build(mc.layer_kinds, mc.num_kv_heads, mc.head_dim, cache.block_size)
-        sizes = size_kv_pools(
-            self.kv_spec,
-            kv_dtype,
-            cache.kv_cache_memory_bytes,
-            sched.max_num_seqs,
-            sched.max_num_batched_tokens,
-            cache.state_checkpoint_fraction,
-        )
-        num_blocks = sizes.blocks
-        if cache.num_kv_blocks is not None:
-            num_blocks = [cache.num_kv_blocks] * len(self.kv_spec.groups)
-        num_checkpoints = sizes.num_checkpoints if cache.enable_prefix_caching else 0
-        self.kv = KVManager(
-            self.kv_spec,
-            num_blocks,
-            cache.enable_prefix_caching,
-            sizes.num_state_slots,
-            num_checkpoints,
-            cache.checkpoint_interval(),
-        )
-        self.max_model_len = self._max_model_len()
-        self.storage = KVStorage(self.kv_spec, num_blocks, kv_dtype, cache.kv_layout)
-        self.states = StateStorage(self.kv_spec, sizes.num_state_slots, num_checkpoints)
+        memory = build_cache_memory(mc, cache, sched, getattr(torch, cache.kv_cache_dtype or config.model.dtype))
+        self.kv_spec, self.kv, self.storage, self.states = memory.spec, memory.kv, memory.storage, memory.states
+        self.max_model_len = memory.max_model_len
         self.fingerprint = model_fingerprint(mc, loaded.source.header(), loaded.weights_content_sha256)
         # spans are signed and checked with this key: without a configured secret, a random one
         # per process, so only this process can import what it exported
@@ -98,42 +70,6 @@ class LLMEngine:
         self.num_kv_imports = 0
         self._touched: set[str] = set()  # requests changed outside a step (an import), reported next step
         self._ids = itertools.count()
-        logger.info(
-            "KV cache: %s blocks of %d tokens per group (%s), %.1f MiB; max_model_len %d",
-            num_blocks,
-            cache.block_size,
-            ", ".join(f"{g.kind.name}x{len(g.layer_ids)}" for g in self.kv_spec.groups),
-            self.storage.nbytes() / 2**20,
-            self.max_model_len,
-        )
-        if self.kv_spec.has_state:
-            logger.info(
-                "recurrent state: %d layers, %.2f MiB per request; %d running slots, %d checkpoints (%.1f MiB) "
-                "every %d tokens; the smallest prefix that can be shared is %d tokens (one block)",
-                sum(len(g.layer_ids) for g in self.kv_spec.state_groups),
-                self.kv_spec.state_bytes_per_slot() / 2**20,
-                sizes.num_state_slots,
-                num_checkpoints,
-                self.states.nbytes() / 2**20,
-                cache.checkpoint_interval(),
-                cache.block_size,
-            )
-
-    def _max_model_len(self) -> int:
-        chunk = self.config.scheduler.max_num_batched_tokens
-        wanted = self.config.scheduler.max_model_len
-        if wanted is not None:
-            if not self.kv.can_ever_fit(wanted, chunk):
-                raise ValueError(
-                    f"max_model_len={wanted} needs {self.kv.max_request_blocks(wanted, chunk)} blocks per KV group, "
-                    f"but the KV budget gives {[p.num_blocks for p in self.kv.pools]}: "
-                    "raise kv_cache_memory_bytes / num_kv_blocks or lower max_model_len"
-                )
-            return wanted
-        length = self.model_config.max_position_embeddings
-        while length > 2 and not self.kv.can_ever_fit(length, chunk):
-            length //= 2  # default: the longest power-of-two fraction the KV holds
-        return length
 
     @staticmethod
     def _generation_eos(path) -> set[int]:
