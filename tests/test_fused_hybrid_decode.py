@@ -1,10 +1,17 @@
-"""Qwen3-Next's decode-only steps as one C++ call (baton/models/fused_hybrid_decode.py): the bits
-of the module-by-module path, prefix-cache hits, and state checkpoints taken during decode."""
+"""The recurrent families' decode-only steps as one C++ call (baton/models/fused_hybrid_decode.py,
+fused_kimi_decode.py, fused_nemotron_decode.py): the bits of the module-by-module path, prefix-cache
+hits, and state checkpoints (Gated DeltaNet, KDA, Mamba2) taken during decode."""
 
 from __future__ import annotations
 
+import pytest
+
 from baton import LLM, SamplingParams
-from tests.test_recurrent_hybrid import _ids, qwen3_next  # noqa: F401  (the random model fixture)
+from tests.test_kimi_linear import kimi  # noqa: F401  (the random model fixtures)
+from tests.test_nemotron_h import nemotron  # noqa: F401
+from tests.test_recurrent_hybrid import _ids, qwen3_next  # noqa: F401
+
+FAMILIES = pytest.mark.parametrize("family", ["qwen3_next", "kimi", "nemotron"])
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 
@@ -22,8 +29,9 @@ def _fused_steps(llm: LLM) -> int:
     return 0 if decoder is None else decoder.steps
 
 
-def test_fused_decode_has_the_bits_of_the_module_path(qwen3_next, monkeypatch):  # noqa: F811
-    _, path = qwen3_next
+@FAMILIES
+def test_fused_decode_has_the_bits_of_the_module_path(family, request, monkeypatch):
+    _, path = request.getfixturevalue(family)
     llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16)
     prompts = [{"prompt_token_ids": _ids(n, 50 + n)} for n in (150, 40, 77)]
     fused = llm.generate(prompts, PARAMS)
@@ -38,8 +46,9 @@ def test_fused_decode_has_the_bits_of_the_module_path(qwen3_next, monkeypatch): 
     assert llm.engine.kv.all_free()
 
 
-def test_prefix_cache_repeat_with_fused_decode(qwen3_next):  # noqa: F811
-    _, path = qwen3_next
+@FAMILIES
+def test_prefix_cache_repeat_with_fused_decode(family, request):
+    _, path = request.getfixturevalue(family)
     llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16)
     prompt = {"prompt_token_ids": _ids(150, 2)}
     first = llm.generate([prompt], PARAMS)[0]
@@ -50,8 +59,9 @@ def test_prefix_cache_repeat_with_fused_decode(qwen3_next):  # noqa: F811
     assert llm.engine.kv.all_free()
 
 
-def test_checkpoints_taken_during_fused_decode_resume_a_longer_prompt(qwen3_next):  # noqa: F811
-    _, path = qwen3_next
+@FAMILIES
+def test_checkpoints_taken_during_fused_decode_resume_a_longer_prompt(family, request):
+    _, path = request.getfixturevalue(family)
     llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16)
     prompt = _ids(150, 3)
     answer = _tokens(
