@@ -16,6 +16,20 @@ from baton.models.recurrent import StateMetadata
 from baton.ops import ops
 
 
+def step_arguments(ctx) -> list:
+    """What every fused hybrid decoder's forward takes after its inputs: per KV group the slot
+    mapping and decode blocks / offsets / lengths, the block size, then `decode_state_rows`."""
+    groups = ctx.groups
+    return [
+        [g.slot_mapping for g in groups],
+        [g.decode_block_ids for g in groups],
+        [g.decode_kv_offsets for g in groups],
+        [g.decode_kv_lens for g in groups],
+        groups[0].block_size if groups else 1,
+        *decode_state_rows(ctx.state_meta),
+    ]
+
+
 def decode_state_rows(meta: StateMetadata | None) -> tuple[list[int], list[int], list[int], list[int]]:
     """A decode step's recurrent metadata as the C++ steps take it: each row's state slot, and per
     checkpoint to take its row, its offset (0: before the row's token, 1: after) and its id."""
@@ -147,20 +161,5 @@ class FusedHybridDecoder:
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx) -> torch.Tensor:
         """x: the embedded decode tokens, one per row; rope: the full-attention cos and signed sin."""
-        groups = ctx.groups
-        slots, snap_rows, snap_offsets, snap_ids = decode_state_rows(ctx.state_meta)
         self.steps += 1
-        return self._decoder.forward(
-            x,
-            rope[0],
-            rope[1],
-            [g.slot_mapping for g in groups],
-            [g.decode_block_ids for g in groups],
-            [g.decode_kv_offsets for g in groups],
-            [g.decode_kv_lens for g in groups],
-            groups[0].block_size if groups else 1,
-            slots,
-            snap_rows,
-            snap_offsets,
-            snap_ids,
-        )
+        return self._decoder.forward(x, rope[0], rope[1], *step_arguments(ctx))

@@ -10,7 +10,7 @@ import torch
 from baton.kv.spec import STATE_DTYPE
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.fused_hybrid_decode import decode_state_rows
+from baton.models.fused_hybrid_decode import step_arguments
 from baton.models.layers import PackedLinear
 from baton.ops import ops
 
@@ -133,18 +133,5 @@ class FusedNemotronDecoder:
 
     def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """x: the embedded decode tokens, one per row."""
-        groups = ctx.groups
-        slots, snap_rows, snap_offsets, snap_ids = decode_state_rows(ctx.state_meta)
         self.steps += 1
-        return self._decoder.forward(
-            x,
-            [g.slot_mapping for g in groups],
-            [g.decode_block_ids for g in groups],
-            [g.decode_kv_offsets for g in groups],
-            [g.decode_kv_lens for g in groups],
-            groups[0].block_size if groups else 1,
-            slots,
-            snap_rows,
-            snap_offsets,
-            snap_ids,
-        )
+        return self._decoder.forward(x, *step_arguments(ctx))
