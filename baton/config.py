@@ -7,13 +7,20 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
 
 @dataclass
 class ModelConfig:
     model: str = "smollm2-135m"
     """A known name (smollm2-135m, gemma3-270m), an HF directory or a .gguf file."""
-    dtype: str = "float32"
+    dtype: str = "auto"
+    """Compute and weight dtype. auto: float32, with a GGUF file's matrices kept in the block formats
+    it ships (Q4_K, Q8_0, ...); float32: every weight dequantized to float32."""
+    quantization: str | None = None
+    """Quantize the linears of a float checkpoint at load into a GGUF block format (q8_0, q4_0,
+    q4_1, q5_0, q5_1, q4_k, q5_k, q6_k); a linear whose input width is not a whole number of blocks
+    stays float32."""
     tokenizer: str | None = None
     """Tokenizer directory; defaults to the model's own."""
     packed_linears: bool = True
@@ -23,8 +30,21 @@ class ModelConfig:
     as steps with a prefill do; the outputs are the same bits either way)."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization is not None and (self.torch_dtype_name != "float32" or not self.packed_linears):
+            raise ValueError("quantization needs float32 compute and packed linears")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return "float32" if self.dtype == "auto" else self.dtype
+
+    @property
+    def keep_gguf_blocks(self) -> bool:
+        """A GGUF file's matrices stay in their blocks (auto dtype on packed linears)."""
+        return self.dtype == "auto" and self.packed_linears
 
 
 @dataclass

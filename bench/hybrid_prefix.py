@@ -31,7 +31,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hybrid_models import build  # noqa: E402
-from peers import vllm_python  # noqa: E402
+from peer_servers import vllm_python  # noqa: E402
 
 from baton.bench.procs import free_port, stop_processes, wait_healthy  # noqa: E402
 from baton.config import EnvSettings  # noqa: E402

@@ -8,6 +8,8 @@ token, plus the KV read), the ceiling on output tokens/s (every token's matmul F
 measured rate, prefill included, since the same cores do both), and the floor on TTFT for a
 long prompt (its FLOPs, attention included). Measured figures can then be read as a fraction
 of these. Activations, norms and Python are ignored: the floors are optimistic.
+
+bench/peers.py uses `read_gbs`, `decode_weight_bytes` and `kv_read_bytes` for its floors.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from __future__ import annotations
 import argparse
 import time
 
+import gguf
 import torch
 
 from baton.config import EnvSettings
 from baton.models.loader import load_model
+from baton.models.model_config import TextModelConfig
 
 
 def best_of(fn, repeats: int = 5) -> float:
@@ -47,6 +51,23 @@ def read_gbs(nbytes: int = 1 << 30) -> float:
     return nbytes / best_of(lambda: src.sum()) / 1e9
 
 
+def decode_weight_bytes(reader: gguf.GGUFReader) -> tuple[int, int]:
+    """Bytes of weights one decode step reads from a GGUF file's matrices, as stored (quantized or
+    not) and as float32: every matrix but the token embedding, a lookup, which is read whole as the
+    lm_head when the file has no separate output matrix (tied embeddings)."""
+    names = {t.name for t in reader.tensors}
+    matrices = [t for t in reader.tensors if len(t.shape) >= 2]
+    read = [t for t in matrices if t.name != "token_embd.weight" or "output.weight" not in names]
+    return sum(int(t.n_bytes) for t in read), sum(4 * int(t.n_elements) for t in read)
+
+
+def kv_read_bytes(cfg: TextModelConfig, ctx: int, dtype_bytes: int = 4) -> int:
+    """K and V of `ctx` positions in every layer: a full-attention layer holds them all, a sliding
+    one at most its window."""
+    per_position = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    return per_position * sum(min(ctx, k.window) if k.is_sliding else ctx for k in cfg.layer_kinds)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -65,12 +86,8 @@ def main() -> None:
     head = embed if cfg.tie_word_embeddings else model.lm_head.weight.numel()
     body = total - embed - (0 if cfg.tie_word_embeddings else head)
     weight_bytes = 4 * (body + head)  # what a decode step reads: the embedding is a lookup
-    kv_per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of one layer, float32
     full = [k for k in cfg.layer_kinds if not k.is_sliding]
     windows = [k.window for k in cfg.layer_kinds if k.is_sliding]
-
-    def kv_read(ctx: int) -> int:
-        return kv_per_token * (len(full) * ctx + sum(min(ctx, w) for w in windows))
 
     def attn_flops(q: int, ctx: int) -> float:  # QK^T and PV per query, over the context it sees
         return 4 * cfg.num_heads * cfg.head_dim * (len(full) * ctx + sum(min(ctx, w) for w in windows)) * q
@@ -89,7 +106,10 @@ def main() -> None:
     ]:
         mid = inp + out // 2
         # one decode step for `conc` sequences: weights once, each sequence's KV, the larger of bytes and FLOPs
-        step = max((weight_bytes + conc * kv_read(mid)) / read, conc * (2 * (body + head) + attn_flops(1, mid)) / flops)
+        step = max(
+            (weight_bytes + conc * kv_read_bytes(cfg, mid)) / read,
+            conc * (2 * (body + head) + attn_flops(1, mid)) / flops,
+        )
         prefill_flops = inp * 2 * body + 2 * head + attn_flops(inp, inp) / 2
         decode_flops = (out - 1) * (2 * (body + head) + attn_flops(1, mid))
         work = n * (prefill_flops + decode_flops) / flops  # all the FLOPs of the run, on all cores

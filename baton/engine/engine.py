@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 
 import torch
@@ -21,7 +22,7 @@ from baton.handoff.span import model_fingerprint
 from baton.handoff.transfer import apply_import, export_span
 from baton.handoff.validate import ImportPlan, plan_import
 from baton.kv.memory import build_cache_memory
-from baton.models.layers import can_pack_linears
+from baton.models.layers import can_pack_linears, describe_linears
 from baton.models.loader import load_model
 from baton.outputs import CompletionOutput, RequestOutput
 from baton.sampling_params import SamplingParams
@@ -29,6 +30,9 @@ from baton.tokenizer import load_tokenizer
 
 Prompt = str | list[int] | dict
 _PROCESS_KV_SECRET = os.urandom(32)
+
+
+logger = logging.getLogger(__name__)
 
 
 class StepFailed(RuntimeError):
@@ -45,16 +49,19 @@ class LLMEngine:
         if config.env.num_threads:
             torch.set_num_threads(config.env.num_threads)
         torch.manual_seed(config.seed)
-        dtype = getattr(torch, config.model.dtype)
-        loaded = load_model(config.model.model, dtype, config.env.cache_dir, progress=progress)
+        dtype = getattr(torch, config.model.torch_dtype_name)
+        keep_blocks = config.model.keep_gguf_blocks
+        loaded = load_model(config.model.model, dtype, config.env.cache_dir, progress=progress, keep_blocks=keep_blocks)
         self.model, self.model_config = loaded.model, loaded.config
         if config.model.packed_linears and can_pack_linears(dtype):
-            self.model.pack_linears()
+            self.model.pack_linears(config.model.quantization)
+            logger.info("%s: %s", loaded.path.name, describe_linears(self.model))
         self.model.fused_decode = config.model.fused_decode and self.model.fused_decode  # the model may lack it
         self.tokenizer = load_tokenizer(loaded.path, config.env.cache_dir, config.model.tokenizer)
         cache, sched = config.cache, config.scheduler
         mc = self.model_config
-        memory = build_cache_memory(mc, cache, sched, getattr(torch, cache.kv_cache_dtype or config.model.dtype))
+        kv_dtype = getattr(torch, cache.kv_cache_dtype or config.model.torch_dtype_name)
+        memory = build_cache_memory(mc, cache, sched, kv_dtype)
         self.kv_spec, self.kv, self.storage, self.states = memory.spec, memory.kv, memory.storage, memory.states
         self.max_model_len = memory.max_model_len
         self.fingerprint = model_fingerprint(mc, loaded.source.header(), loaded.weights_content_sha256)

@@ -74,9 +74,9 @@ class FusedHybridDecoder:
                 (conv_state, rec_state), (conv_ckpt, rec_ckpt) = states.layer(i)
                 self._decoder.add_recurrent_layer(
                     **norms,
-                    qkvz=la.in_proj_qkvz.panels,
-                    ba=la.in_proj_ba.panels,
-                    out_proj=la.out_proj.panels,
+                    qkvz=la.in_proj_qkvz.packed,
+                    ba=la.in_proj_ba.packed,
+                    out_proj=la.out_proj.packed,
                     conv_weight=la.conv1d.weight[:, 0].float().contiguous(),
                     # GatedDeltaNet.forward's -A_log.float().exp(): the same op on the same [vh], once
                     neg_exp_a=(-la.A_log.float().exp()).contiguous(),
@@ -93,13 +93,13 @@ class FusedHybridDecoder:
                 k_cache, v_cache = storage.layer(i)
                 self._decoder.add_attention_layer(
                     **norms,
-                    q_proj=attn.q_proj.panels,
+                    q_proj=attn.q_proj.packed,
                     q_bias=attn.q_proj.bias,
-                    k_proj=attn.k_proj.panels,
+                    k_proj=attn.k_proj.packed,
                     k_bias=attn.k_proj.bias,
-                    v_proj=attn.v_proj.panels,
+                    v_proj=attn.v_proj.packed,
                     v_bias=attn.v_proj.bias,
-                    o_proj=attn.o_proj.panels,
+                    o_proj=attn.o_proj.packed,
                     o_bias=attn.o_proj.bias,
                     q_norm=attn.q_norm.weight,
                     k_norm=attn.k_norm.weight,
@@ -111,22 +111,22 @@ class FusedHybridDecoder:
             if isinstance(mlp, SparseMoE):
                 shared = mlp.shared_expert
                 self._decoder.set_moe(
-                    router=mlp.gate.panels,
+                    router=mlp.gate.packed,
                     top_k=mlp.top_k,
                     norm_topk_prob=mlp.norm_topk_prob,
-                    expert_gate_up=[e.gate_up_proj.panels for e in mlp.experts],
-                    expert_down=[e.down_proj.panels for e in mlp.experts],
-                    moe_intermediate=mlp.experts[0].down_proj.panels.shape[1],
-                    shared_gate_up=None if shared is None else shared.gate_up_proj.panels,
-                    shared_down=None if shared is None else shared.down_proj.panels,
-                    shared_intermediate=0 if shared is None else shared.down_proj.panels.shape[1],
-                    shared_gate=None if mlp.shared_expert_gate is None else mlp.shared_expert_gate.panels,
+                    expert_gate_up=[e.gate_up_proj.packed for e in mlp.experts],
+                    expert_down=[e.down_proj.packed for e in mlp.experts],
+                    moe_intermediate=mlp.experts[0].down_proj.in_features,
+                    shared_gate_up=None if shared is None else shared.gate_up_proj.packed,
+                    shared_down=None if shared is None else shared.down_proj.packed,
+                    shared_intermediate=0 if shared is None else shared.down_proj.in_features,
+                    shared_gate=None if mlp.shared_expert_gate is None else mlp.shared_expert_gate.packed,
                 )
             else:
                 self._decoder.set_dense_mlp(
-                    gate_up=mlp.gate_up_proj.panels,
-                    down=mlp.down_proj.panels,
-                    intermediate=mlp.down_proj.panels.shape[1],
+                    gate_up=mlp.gate_up_proj.packed,
+                    down=mlp.down_proj.packed,
+                    intermediate=mlp.down_proj.in_features,
                 )
 
     @staticmethod

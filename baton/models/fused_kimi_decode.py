@@ -52,11 +52,11 @@ class FusedKimiDecoder:
                 (conv_state, rec_state), (conv_ckpt, rec_ckpt) = states.layer(i)
                 self._decoder.add_kda_layer(
                     **norms,
-                    in_proj=attn.in_proj.panels,
-                    o_proj=attn.o_proj.panels,
+                    in_proj=attn.in_proj.packed,
+                    o_proj=attn.o_proj.packed,
                     conv_weight=attn.conv_weight.float().contiguous(),
-                    f_b=attn.f_b_proj.panels,
-                    g_b=attn.g_b_proj.panels,
+                    f_b=attn.f_b_proj.packed,
+                    g_b=attn.g_b_proj.packed,
                     dt_bias=attn.dt_bias.float().contiguous(),
                     # KimiDeltaAttention.forward's -A_log.float().exp(): the same op on the same [h], once
                     neg_exp_a=(-attn.A_log.float().exp()).contiguous(),
@@ -72,16 +72,16 @@ class FusedKimiDecoder:
                 k_cache, _ = storage.layer(i)
                 self._decoder.add_mla_layer(
                     **norms,
-                    q_proj=None if lora else attn.q_proj.panels,
-                    q_a=attn.q_a_proj.panels if lora else None,
+                    q_proj=None if lora else attn.q_proj.packed,
+                    q_a=attn.q_a_proj.packed if lora else None,
                     q_a_bias=_bias(attn.q_a_proj) if lora else None,
                     q_a_norm=attn.q_a_layernorm.weight if lora else None,
-                    q_b=attn.q_b_proj.panels if lora else None,
-                    kv_a=attn.kv_a_proj_with_mqa.panels,
+                    q_b=attn.q_b_proj.packed if lora else None,
+                    kv_a=attn.kv_a_proj_with_mqa.packed,
                     kv_a_bias=_bias(attn.kv_a_proj_with_mqa),
                     kv_a_norm=attn.kv_a_layernorm.weight,
                     kv_b=attn.kv_b_proj.weight,  # einsum's very operand: plain, never packed
-                    o_proj=attn.o_proj.panels,
+                    o_proj=attn.o_proj.packed,
                     o_bias=_bias(attn.o_proj),
                     k_cache=k_cache,
                     group=storage.spec.layer_to_group[i][0],
@@ -97,18 +97,18 @@ class FusedKimiDecoder:
                     topk_group=gate.topk_group,
                     norm_topk_prob=gate.norm_topk_prob,
                     routed_scaling_factor=gate.routed_scaling_factor,
-                    expert_gate_up=[e.gate_up_proj.panels for e in mlp.experts],
-                    expert_down=[e.down_proj.panels for e in mlp.experts],
-                    moe_intermediate=mlp.experts[0].down_proj.panels.shape[1],
-                    shared_gate_up=None if shared is None else shared.gate_up_proj.panels,
-                    shared_down=None if shared is None else shared.down_proj.panels,
-                    shared_intermediate=0 if shared is None else shared.down_proj.panels.shape[1],
+                    expert_gate_up=[e.gate_up_proj.packed for e in mlp.experts],
+                    expert_down=[e.down_proj.packed for e in mlp.experts],
+                    moe_intermediate=mlp.experts[0].down_proj.in_features,
+                    shared_gate_up=None if shared is None else shared.gate_up_proj.packed,
+                    shared_down=None if shared is None else shared.down_proj.packed,
+                    shared_intermediate=0 if shared is None else shared.down_proj.in_features,
                 )
             else:
                 self._decoder.set_dense_mlp(
-                    gate_up=mlp.gate_up_proj.panels,
-                    down=mlp.down_proj.panels,
-                    intermediate=mlp.down_proj.panels.shape[1],
+                    gate_up=mlp.gate_up_proj.packed,
+                    down=mlp.down_proj.packed,
+                    intermediate=mlp.down_proj.in_features,
                 )
 
     @staticmethod

@@ -1,4 +1,5 @@
-"""GGUF files: metadata to an HF-style config, tensors dequantized and renamed to HF names."""
+"""GGUF files: metadata to an HF-style config, tensors renamed to HF names (dequantized, or matrices
+kept in their GGUF blocks)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+
+from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor
 
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -117,20 +120,29 @@ class GGUFFile:
                 out[name] = (tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name)
         return out
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
+        """Every tensor under its HF name, dequantized to float32; with `keep_blocks`, matrices in
+        a format baton's kernels read stay in their GGUF blocks (BlockTensor)."""
         heads = self.config["num_attention_heads"]
         kv_heads = self.config.get("num_key_value_heads", heads)
         for t in self.reader.tensors:
             name = self.hf_name(t.name)
             if name is None:
                 continue
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
-            data = np.ascontiguousarray(data.reshape(tuple(int(d) for d in reversed(t.shape))))
+            blocks = keep_blocks and len(t.shape) == 2 and t.tensor_type.name in BLOCK_FORMATS
+            if blocks:
+                data = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # rows of block bytes
+            else:
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
+                data = np.ascontiguousarray(data.reshape(tuple(int(d) for d in reversed(t.shape))))
             if self.gguf_arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
-                data = _unpermute_rope(data, heads if "q_proj" in name else kv_heads)
+                data = _unpermute_rope(data, heads if "q_proj" in name else kv_heads)  # rows: same for blocks
             if self.gguf_arch == "gemma3" and name.endswith("norm.weight"):
                 data = data - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
-            yield name, torch.from_numpy(np.array(data, copy=True) if not data.flags.writeable else data)
+            if blocks:
+                yield name, BlockTensor.from_rows(t.tensor_type.name, np.array(data, copy=True))
+            else:
+                yield name, torch.from_numpy(np.array(data, copy=True) if not data.flags.writeable else data)
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -10,14 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.models.gguf_blocks import BlockTensor
 from baton.models.model_config import RopeConfig
 from baton.ops import (
+    dequantize_rows,
     empty_huge_pages,
     gated_act,
+    ops,
     pack_weight_panels,
+    packed_linear,
     paged_decode_attention,
     panel_lanes,
-    panel_linear,
     rms_norm,
     rms_norm_heads_,
     rotary_,
@@ -25,42 +28,117 @@ from baton.ops import (
 
 
 class PackedLinear(nn.Module):
-    """A float32 linear over baton's own kernel (baton/ops/linear.cpp): the weight packed once
-    into column panels that the kernel streams at close to the machine's read rate. Against
-    oneDNN's packed linears on SmolLM2's 121 projections: 1 row 25.4 -> 16.0 ms, 8 rows 26 -> 17,
-    32 rows 52 -> 46, 1,024 rows 1,374 -> 1,386 (even). Every output is summed in the same order
-    whatever the row count, so a row's bits do not depend on its batch."""
+    """A linear over baton's own kernels: the weight packed once, either into float32 column panels
+    (baton/ops/linear.cpp) that the kernel streams at close to the machine's read rate, or kept in a
+    GGUF block format (baton/ops/quant_linear.cpp). Float32 panels against oneDNN's packed linears
+    on SmolLM2's 121 projections: 1 row 25.4 -> 16.0 ms, 8 rows 26 -> 17, 32 rows 52 -> 46, 1,024
+    rows 1,374 -> 1,386 (even). Every output is summed in the same order whatever the row count, so
+    a row's bits do not depend on its batch."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> None:
-        """`out`: where to keep the panels (a slice of a shared arena), else a tensor of their own."""
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int) -> None:
         super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.qtype = "F32"  # or the GGUF block format's name
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None):
+        """`out`: where to keep the panels (a slice of a shared arena), else a tensor of their own."""
         panels = pack_weight_panels(weight.detach().float().contiguous())
-        self.panels = panels if out is None else out.view(panels.shape).copy_(panels)
-        self.out_features = weight.shape[0]
-        self.bias = None if bias is None else bias.detach().contiguous()
+        packed = panels if out is None else out.view(panels.shape).copy_(panels)
+        return cls(packed, bias, weight.shape[1], weight.shape[0])
+
+    @classmethod
+    def from_blocks(cls, weight: BlockTensor, bias: torch.Tensor | None) -> PackedLinear:
+        if not ops().QUANT_KERNELS:
+            raise RuntimeError(
+                "weights in GGUF blocks need an x86-64 CPU with AVX2 and FMA (or AVX-512); "
+                "run with --dtype float32 to dequantize them at load"
+            )
+        out_features, in_features = weight.shape
+        linear = cls(weight.blocks, bias, in_features, out_features)
+        linear.qtype = weight.qtype
+        return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return panel_linear(x, self.panels, self.bias, self.out_features)
+        return packed_linear(x, self.packed, self.bias, self.out_features)
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept in a GGUF block format: a lookup dequantizes only the rows it reads
+    (Gemma3's 262k x 640 table is 178 MB in Q8_0 against 671 MB as float32)."""
+
+    def __init__(self, weight: BlockTensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(self.weight.blocks, input_ids.reshape(-1)).view(*input_ids.shape, -1)
 
 
 def can_pack_linears(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Swap every nn.Linear of a loaded float32 model for a PackedLinear (the dense weight is freed).
-    All panels live in one arena on transparent huge pages: a decode step streams every weight,
-    and with 4 KiB pages that is a TLB miss every 4 KiB (1 row: 3%, 8 rows: 9% faster, A/B)."""
-    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
-    linears = [(parent, name, child) for parent, name, child in linears if isinstance(child, nn.Linear)]
+def pack_linears(
+    model: nn.Module, block_weights: dict[str, BlockTensor] | None = None, quantization: str | None = None
+) -> None:
+    """Swap every nn.Linear of a loaded float32 model for a PackedLinear (the dense weight is freed):
+    over `block_weights[name + ".weight"]` where the checkpoint shipped the weight in GGUF blocks,
+    else quantized into `quantization` (a GGUF format such as q4_k) where its input width allows,
+    else float32 panels. All panels live in one arena on transparent huge pages: a decode step
+    streams every weight, and with 4 KiB pages that is a TLB miss every 4 KiB (1 row: 3%, 8 rows: 9%
+    faster, A/B)."""
+    block_weights = block_weights or {}
+    linears = [
+        (parent, name, child, f"{prefix}.{name}".lstrip("."))
+        for prefix, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    blocks: dict[str, BlockTensor] = {}
+    for _, _, child, full in linears:
+        weight = block_weights.get(f"{full}.weight")
+        if weight is None and quantization is not None:
+            weight = quantize_weight(child.weight, quantization)
+        if weight is not None:
+            blocks[full] = weight
+    floats = [(parent, name, child) for parent, name, child, full in linears if full not in blocks]
     lanes = panel_lanes()
-    sizes = [-(-child.out_features // lanes) * lanes * child.in_features for _, _, child in linears]
+    sizes = [-(-child.out_features // lanes) * lanes * child.in_features for _, _, child in floats]
     arena = empty_huge_pages(4 * sum(sizes)).view(torch.float32)
     offset = 0
-    for (parent, name, child), size in zip(linears, sizes):
-        setattr(parent, name, PackedLinear(child.weight, child.bias, arena[offset : offset + size]))
+    for (parent, name, child), size in zip(floats, sizes):
+        setattr(parent, name, PackedLinear.from_float(child.weight, child.bias, arena[offset : offset + size]))
         child.weight = None  # free the dense copy now, not after the loop
         offset += size
+    for parent, name, child, full in linears:
+        if full in blocks:
+            setattr(parent, name, PackedLinear.from_blocks(blocks[full], child.bias))
+
+
+def describe_linears(model: nn.Module) -> str:
+    """The packed linears' formats and the weight bytes a decode step reads through them."""
+    counts: dict[str, int] = {}
+    nbytes = 0
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            counts[m.qtype] = counts.get(m.qtype, 0) + 1
+            nbytes += m.packed.numel() * m.packed.element_size()
+    formats = ", ".join(f"{n} {q}" for q, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return f"linears {formats or 'none packed'}; {nbytes / 2**20:.1f} MiB of weights read per token"
+
+
+def quantize_weight(weight: torch.Tensor, quantization: str) -> BlockTensor | None:
+    """`weight` [N, K] in the GGUF format `quantization` (q8_0, q4_k, ...); None where K is not a
+    whole number of its blocks."""
+    from baton.models.quantize import QUANT_TYPES, can_quantize, quantize_matrix
+
+    qtype = QUANT_TYPES[quantization]
+    if weight.device.type == "meta" or not can_quantize(qtype, weight.shape[1]):
+        return None
+    return BlockTensor.from_rows(qtype.name, quantize_matrix(weight.detach().float(), qtype))
 
 
 class RMSNorm(nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,9 @@ from torch import nn
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
 from baton.models.fused_decode import FusedDecoder
+from baton.models.gguf_blocks import BlockTensor, concat_rows
 from baton.models.layers import (
+    BlockEmbedding,
     GroupAttnMetadata,
     RMSNorm,
     Rotary,
@@ -22,6 +25,8 @@ from baton.models.layers import (
 )
 from baton.models.model_config import TextModelConfig
 from baton.models.recurrent import StateMetadata
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -123,6 +128,8 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode = True  # decode-only steps as one C++ call where FusedDecoder supports the model
         self.fused_decoder: FusedDecoder | None = None
         self._fused_storage: KVStorage | None = None  # the storage fused_decoder was decided for
+        self.block_weights: dict[str, BlockTensor] = {}  # weights kept in GGUF blocks, by parameter name
+        self._block_parts: dict[str, list[BlockTensor | None]] = {}  # a fused projection's parts so far
         self.requires_grad_(False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -147,13 +154,21 @@ class LlamaForCausalLM(nn.Module):
             self.fused_decoder = FusedDecoder(self, storage) if FusedDecoder.supports(self, storage) else None
         return self.fused_decoder
 
-    def pack_linears(self) -> None:
-        """Run the projections and the lm_head through baton's packed float32 kernel (after loading).
-        A tied lm_head gets its own packed copy: the embedding stays a plain table for lookups."""
+    def pack_linears(self, quantization: str | None = None) -> None:
+        """Run the projections and the lm_head on baton's packed kernels (after loading): in the GGUF
+        formats the checkpoint shipped them in, else quantized into `quantization`, else float32.
+        A tied lm_head gets its own packed copy when float (the embedding stays a plain table for
+        lookups); in GGUF blocks, the embedding and the lm_head read the same blocks."""
+        embed = self.block_weights.get("embed_tokens.weight")
         if self.lm_head is None:
             self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
-        pack_linears(self)
+            if embed is not None:
+                self.block_weights["lm_head.weight"] = embed
+        if embed is not None:
+            self.embed_tokens = BlockEmbedding(embed)
+        pack_linears(self, self.block_weights, quantization)
+        self.block_weights = {}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
@@ -186,14 +201,35 @@ class LlamaForCausalLM(nn.Module):
                 shapes[hf.replace(fused, part)] = (rows, *p.shape[1:])
         return shapes
 
-    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
+    def load_weight(self, hf_name: str, tensor: torch.Tensor | BlockTensor) -> None:
+        """A float tensor is copied into its parameter; a matrix in GGUF blocks is kept for
+        pack_linears (the parts of a fused projection gathered in order)."""
         name = hf_name.removeprefix("model.")
         for fused, parts in self._UNFUSED.items():
             for shard, part in enumerate(parts):
                 if f".{part}." in name:
+                    target = name.replace(part, fused)
+                    if isinstance(tensor, BlockTensor):
+                        self._block_parts.setdefault(target, [None] * len(parts))[shard] = tensor
+                        if all(p is not None for p in self._block_parts[target]):
+                            self._gather_blocks(target, self._block_parts.pop(target))
+                        return
                     rows = self._shard_rows(fused)
                     start = sum(rows[:shard])
-                    param = self.get_parameter(name.replace(part, fused))
+                    param = self.get_parameter(target)
                     param.data[start : start + rows[shard]].copy_(tensor)
                     return
+        if isinstance(tensor, BlockTensor):
+            self.block_weights[name] = tensor
+            return
         self.get_parameter(name).data.copy_(tensor)
+
+    def _gather_blocks(self, name: str, parts: list[BlockTensor]) -> None:
+        """A fused projection's parts in one block format, else (formats no one format holds exactly)
+        dequantized into the float parameter."""
+        joined = concat_rows(parts)
+        if joined is not None:
+            self.block_weights[name] = joined
+            return
+        logger.info("%s: parts in %s, kept as float32", name, "/".join(p.qtype for p in parts))
+        self.get_parameter(name).data.copy_(torch.cat([p.dequantize() for p in parts]))

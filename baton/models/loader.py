@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
+from baton.models.gguf_blocks import BlockTensor
 from baton.models.gguf_file import GGUFFile
 from baton.models.model_config import TextModelConfig, parse_hf_config
 from baton.models.registry import model_class
@@ -179,7 +180,7 @@ class LoadedModel:
     model: nn.Module
     config: TextModelConfig
     path: Path
-    source: HFDirectory | GGUFFile | DequantizedCache
+    source: HFDirectory | GGUFFile | GGUFCache
     weights_content_sha256: str  # of the checkpoint's tensors as stored, for the KV span fingerprint
 
 
@@ -208,28 +209,28 @@ def check_weights(
         raise WeightMismatchError(f"{where}: " + " | ".join(problems))
 
 
-class DequantizedCache:
-    """A GGUF file's config, header and dequantized tensors (HF names), kept after the first load.
+class GGUFCache:
+    """A GGUF file's config, header and tensors as baton loads them (HF names; float32, or matrices in
+    their GGUF blocks with `keep_blocks`), kept after the first load.
 
     Parsing a GGUF with a 262k-token vocabulary takes ~15 s in the gguf package and dequantizing
-    more; reading the cached float32 safetensors file takes about one. The meta file also keeps the
-    GGUF tensors' `gguf_content_sha256`, hashed once on the cold load.
+    more; reading the cached safetensors file takes about one. The meta file also keeps the GGUF
+    tensors' `gguf_content_sha256`, hashed once on the cold load, and which tensors are blocks.
     """
 
-    def __init__(self, path: Path, cache_dir: Path) -> None:
+    def __init__(self, path: Path, cache_dir: Path, keep_blocks: bool = False) -> None:
         stat = path.stat()
         key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
         self.path = path
-        self.file = cache_dir / "weights" / f"{path.stem}-{key}.safetensors"
+        self.keep_blocks = keep_blocks
+        self.file = cache_dir / "weights" / f"{path.stem}-{key}{'-blocks' if keep_blocks else ''}.safetensors"
         self.meta_file = self.file.with_suffix(".json")
         self.gguf: GGUFFile | None = None
         meta = _read_json(self.meta_file)
-        if self.file.exists() and {"architecture", "config", "header"} <= meta.keys():
+        if self.file.exists() and {"architecture", "config", "header", "blocks"} <= meta.keys():
             self.architecture, self.config = meta["architecture"], meta["config"]
             self._header = {k: (tuple(v[0]), v[1]) for k, v in meta["header"].items()}
-            if not isinstance(meta.get("weights_content_sha256"), str):  # cached before weights were hashed
-                meta["weights_content_sha256"] = gguf_content_sha256(GGUFFile(path))
-                write_atomically(self.meta_file, lambda tmp: tmp.write_text(json.dumps(meta)))
+            self._blocks: dict[str, str] = meta["blocks"]
             self.weights_content_sha256: str = meta["weights_content_sha256"]
         else:
             self.gguf = GGUFFile(path)
@@ -240,31 +241,40 @@ class DequantizedCache:
     def header(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return self._header
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
         if self.gguf is None:
             with safe_open(self.file, framework="pt") as st:
                 for name in st.keys():
-                    yield name, st.get_tensor(name)
+                    tensor = st.get_tensor(name)
+                    yield name, BlockTensor(self._blocks[name], tensor) if name in self._blocks else tensor
             return
-        kept = {}
-        for name, tensor in self.gguf.tensors():
-            kept[name] = tensor
+        kept, blocks = {}, {}
+        for name, tensor in self.gguf.tensors(self.keep_blocks):
+            if isinstance(tensor, BlockTensor):
+                kept[name], blocks[name] = tensor.blocks, tensor.qtype
+            else:
+                kept[name] = tensor
             yield name, tensor
         write_atomically(self.file, lambda tmp: save_file(kept, str(tmp)))
         meta = {
             "architecture": self.architecture,
             "config": self.config,
             "header": self._header,
+            "blocks": blocks,
             "weights_content_sha256": self.weights_content_sha256,
         }
         write_atomically(self.meta_file, lambda tmp: tmp.write_text(json.dumps(meta)))
 
 
-def load_model(model: str, dtype: torch.dtype, cache_dir: Path | None = None, progress: bool = True) -> LoadedModel:
+def load_model(
+    model: str, dtype: torch.dtype, cache_dir: Path | None = None, progress: bool = True, keep_blocks: bool = False
+) -> LoadedModel:
+    """The model with its weights; with `keep_blocks`, a GGUF file's matrices in the formats baton's
+    kernels read stay in their blocks (the model's pack_linears installs them)."""
     path = resolve_model_path(model)
-    source: HFDirectory | GGUFFile | DequantizedCache
+    source: HFDirectory | GGUFFile | GGUFCache
     if path.suffix == ".gguf":
-        source = DequantizedCache(path, cache_dir) if cache_dir is not None else GGUFFile(path)
+        source = GGUFCache(path, cache_dir, keep_blocks) if cache_dir is not None else GGUFFile(path)
     else:
         source = HFDirectory(path)
     cls = model_class(source.architecture)
@@ -285,7 +295,7 @@ def load_model(model: str, dtype: torch.dtype, cache_dir: Path | None = None, pr
     if converted:
         logger.warning("converting %s weights of %s to %s", "/".join(converted), path.name, dtype)
     expected = net.hf_weight_shapes()
-    tensors = source.tensors()
+    tensors = source.tensors(keep_blocks) if isinstance(source, GGUFFile) else source.tensors()
     for name, tensor in tqdm(tensors, total=len(header), desc=f"loading {path.name}", disable=not progress):
         if name in expected:
             net.load_weight(name, tensor)
@@ -293,9 +303,9 @@ def load_model(model: str, dtype: torch.dtype, cache_dir: Path | None = None, pr
     return LoadedModel(net, cfg, path, source, weights_content_sha256(source, cache_dir))
 
 
-def weights_content_sha256(source: HFDirectory | GGUFFile | DequantizedCache, cache_dir: Path | None) -> str:
+def weights_content_sha256(source: HFDirectory | GGUFFile | GGUFCache, cache_dir: Path | None) -> str:
     """The checkpoint's tensors hashed as stored; computed once per file and kept in the cache."""
-    if isinstance(source, DequantizedCache):
+    if isinstance(source, GGUFCache):
         return source.weights_content_sha256
     if isinstance(source, GGUFFile):
         return gguf_content_sha256(source)

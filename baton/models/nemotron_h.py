@@ -249,11 +249,11 @@ class NemotronHForCausalLM(nn.Module):
             self.fused_decoder = FusedNemotronDecoder(self, storage, states) if supported else None
         return self.fused_decoder
 
-    def pack_linears(self) -> None:
+    def pack_linears(self, quantization: str | None = None) -> None:
         if self.lm_head is None:
             self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False, device="meta")
             self.lm_head.weight = self.embeddings.weight
-        pack_linears(self)
+        pack_linears(self, quantization=quantization)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.embeddings.weight) if self.lm_head is None else self.lm_head(hidden)

@@ -174,14 +174,24 @@ def panel_lanes() -> int:
 
 
 def pack_weight_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] float32 -> [ceil(N / 16), K, 16] column panels for `panel_linear`."""
+    """[N, K] float32 -> [ceil(N / 16), K, 16] column panels for `packed_linear`."""
     return ops().pack_weight_panels(weight)
 
 
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [rows, K] @ W^T (+ bias) over a weight packed by `pack_weight_panels`; a row's result
-    does not depend on the other rows."""
-    return ops().panel_linear(x, panels, bias, out_features)
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [rows, K] @ W^T (+ bias) over a weight packed by `pack_weight_panels` (float32) or kept in
+    GGUF blocks (uint8 [N, blocks, block bytes]); a row's result does not depend on the other rows."""
+    return ops().packed_linear(x, packed, bias, out_features)
+
+
+def dequantize_rows(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [len(ids), K]: rows `ids` of a weight in GGUF blocks."""
+    return ops().dequantize_rows(blocks, ids)
+
+
+def quant_block_values(blocks: torch.Tensor) -> int:
+    """Values per block (32 or 256) of a weight in GGUF blocks; the block's bytes name its format."""
+    return ops().quant_block_values(blocks)
 
 
 def rms_norm(

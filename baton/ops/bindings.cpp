@@ -15,7 +15,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V, read in place", release());
   m.attr("PANEL_LANES") = panel_lanes();
   m.def("pack_weight_panels", &pack_weight_panels, "[N, K] -> [ceil(N/16), K, 16] column panels", release());
-  m.def("panel_linear", &panel_linear, "x W^T (+ b) over column panels", release());
+  m.def("packed_linear", &packed_linear, "x W^T (+ b) over column panels or GGUF blocks", release());
+  m.def("dequantize_rows", &dequantize_rows, "rows of a weight in GGUF blocks, as float32", release());
+  m.attr("QUANT_KERNELS") = quant_kernels_available();
+  m.def("quant_block_values", &quant_block_values, "values per block of a weight in GGUF blocks", release());
   m.def("rms_norm", &rms_norm, "RMS norm of rows, optionally of residual += x", release());
   m.def("rms_norm_heads_", &rms_norm_heads_, "RMS norm of each head, in place", release());
   m.def("rotary_", &rotary_, "rotary embedding in place", release());

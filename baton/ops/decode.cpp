@@ -134,7 +134,7 @@ class FusedDecoder {
       const torch::Tensor h = i == 0 ? rms_norm(residual, c10::nullopt, l.input_norm, eps_, offset_)
                                      : rms_norm(x, residual, l.input_norm, eps_, offset_);
       watch.lap(kNorms);
-      const torch::Tensor qkv = panel_linear(h, l.qkv, l.qkv_bias, q_size + 2 * kv_size);
+      const torch::Tensor qkv = packed_linear(h, l.qkv, l.qkv_bias, q_size + 2 * kv_size);
       watch.lap(kLinears);
       torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({n, num_heads_ + num_kv_heads_, head_dim_});
       torch::Tensor q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
@@ -150,7 +150,7 @@ class FusedDecoder {
       const torch::Tensor attn = paged_decode_attention_checked_context(
           q, l.k_cache, l.v_cache, block_ids[l.group], kv_offsets[l.group], kv_lens[l.group], block_size, scale_);
       watch.lap(kAttention);
-      const torch::Tensor o = panel_linear(attn.view({n, q_size}), l.o, l.o_bias, hidden_);
+      const torch::Tensor o = packed_linear(attn.view({n, q_size}), l.o, l.o_bias, hidden_);
       watch.lap(kLinears);
       const torch::Tensor mlp_in =
           l.pre_ff_norm.defined()
@@ -158,11 +158,11 @@ class FusedDecoder {
                          offset_)
               : rms_norm(o, residual, l.post_attn_norm, eps_, offset_);
       watch.lap(kNorms);
-      const torch::Tensor gate_up = panel_linear(mlp_in, l.gate_up, c10::nullopt, 2 * intermediate_);
+      const torch::Tensor gate_up = packed_linear(mlp_in, l.gate_up, c10::nullopt, 2 * intermediate_);
       watch.lap(kLinears);
       const torch::Tensor act = gated_act(gate_up, gelu_tanh_);
       watch.lap(kNorms);
-      x = panel_linear(act, l.down, c10::nullopt, hidden_);
+      x = packed_linear(act, l.down, c10::nullopt, hidden_);
       watch.lap(kLinears);
       if (l.post_ff_norm.defined()) x = rms_norm(x, c10::nullopt, l.post_ff_norm, eps_, offset_);
     }

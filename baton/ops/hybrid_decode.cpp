@@ -33,10 +33,10 @@ void FusedHybridDecoder::add_attention_layer(torch::Tensor input_norm, torch::Te
                                              torch::Tensor v_cache, int64_t group) {
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   check_norms(input_norm, post_attn_norm);
-  check_panels(q_proj, hidden_, 2 * q_size, "q_proj");
-  check_panels(k_proj, hidden_, kv_size, "k_proj");
-  check_panels(v_proj, hidden_, kv_size, "v_proj");
-  check_panels(o_proj, q_size, hidden_, "o_proj");
+  check_packed(q_proj, hidden_, 2 * q_size, "q_proj");
+  check_packed(k_proj, hidden_, kv_size, "k_proj");
+  check_packed(v_proj, hidden_, kv_size, "v_proj");
+  check_packed(o_proj, q_size, hidden_, "o_proj");
   check_vector(q_norm, head_dim_, "q_norm");
   check_vector(k_norm, head_dim_, "k_norm");
   check_float(k_cache, "k_cache");
@@ -76,9 +76,9 @@ void FusedHybridDecoder::add_recurrent_layer(torch::Tensor input_norm, torch::Te
                                              torch::Tensor conv_checkpoints, torch::Tensor rec_checkpoints) {
   const int64_t channels = gdn_.channels();
   check_norms(input_norm, post_attn_norm);
-  check_panels(qkvz, hidden_, 2 * gdn_.kh * gdn_.dk + 2 * gdn_.vh * gdn_.dv, "in_proj_qkvz");
-  check_panels(ba, hidden_, 2 * gdn_.vh, "in_proj_ba");
-  check_panels(out_proj, gdn_.vh * gdn_.dv, hidden_, "out_proj");
+  check_packed(qkvz, hidden_, 2 * gdn_.kh * gdn_.dk + 2 * gdn_.vh * gdn_.dv, "in_proj_qkvz");
+  check_packed(ba, hidden_, 2 * gdn_.vh, "in_proj_ba");
+  check_packed(out_proj, gdn_.vh * gdn_.dv, hidden_, "out_proj");
   check_float(conv_weight, "conv_weight");
   TORCH_CHECK(conv_weight.is_contiguous() && conv_weight.dim() == 2 && conv_weight.size(0) == channels &&
                   conv_weight.size(1) == gdn_.kc,
@@ -122,8 +122,8 @@ void FusedHybridDecoder::add_recurrent_layer(torch::Tensor input_norm, torch::Te
 
 // The MLP of the layer added last: gate_up [2I, hidden] and down [hidden, I] panels.
 void FusedHybridDecoder::set_dense_mlp(torch::Tensor gate_up, torch::Tensor down, int64_t intermediate) {
-  check_panels(gate_up, hidden_, 2 * intermediate, "gate_up");
-  check_panels(down, intermediate, hidden_, "down");
+  check_packed(gate_up, hidden_, 2 * intermediate, "gate_up");
+  check_packed(down, intermediate, hidden_, "down");
   std::lock_guard<std::mutex> lock(mu_);
   HybridLayer& l = last_layer();
   l.has_mlp = true;
@@ -143,18 +143,18 @@ void FusedHybridDecoder::set_moe(torch::Tensor router, int64_t top_k, bool norm_
   const int64_t experts = static_cast<int64_t>(expert_gate_up.size());
   TORCH_CHECK(experts >= 1 && expert_down.size() == expert_gate_up.size(), "one gate_up and one down per expert");
   TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must be in [1, ", experts, "], got ", top_k);
-  check_panels(router, hidden_, experts, "router");
+  check_packed(router, hidden_, experts, "router");
   for (int64_t e = 0; e < experts; ++e) {
-    check_panels(expert_gate_up[e], hidden_, 2 * moe_intermediate, "expert gate_up");
-    check_panels(expert_down[e], moe_intermediate, hidden_, "expert down");
+    check_packed(expert_gate_up[e], hidden_, 2 * moe_intermediate, "expert gate_up");
+    check_packed(expert_down[e], moe_intermediate, hidden_, "expert down");
   }
   TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value(), "the shared expert needs gate_up and down");
   if (shared_gate_up.has_value()) {
-    check_panels(*shared_gate_up, hidden_, 2 * shared_intermediate, "shared gate_up");
-    check_panels(*shared_down, shared_intermediate, hidden_, "shared down");
+    check_packed(*shared_gate_up, hidden_, 2 * shared_intermediate, "shared gate_up");
+    check_packed(*shared_down, shared_intermediate, hidden_, "shared down");
   }
   TORCH_CHECK(!shared_gate.has_value() || shared_gate_up.has_value(), "a shared-expert gate without a shared expert");
-  if (shared_gate.has_value()) check_panels(*shared_gate, hidden_, 1, "shared_expert_gate");
+  if (shared_gate.has_value()) check_packed(*shared_gate, hidden_, 1, "shared_expert_gate");
   std::lock_guard<std::mutex> lock(mu_);
   HybridLayer& l = last_layer();
   l.has_mlp = true;

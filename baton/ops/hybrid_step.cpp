@@ -96,9 +96,9 @@ std::map<std::string, double> FusedHybridDecoder::profile() const {
 torch::Tensor FusedHybridDecoder::attention(HybridLayer& l, const torch::Tensor& h, const Step& step,
                                             HybridStopwatch& watch) {
   const int64_t n = h.size(0), d = head_dim_, q_size = num_heads_ * d, kv_size = num_kv_heads_ * d;
-  const torch::Tensor qg = panel_linear(h, l.q_proj, l.q_bias, 2 * q_size);
-  const torch::Tensor k_flat = panel_linear(h, l.k_proj, l.k_bias, kv_size);
-  const torch::Tensor v_flat = panel_linear(h, l.v_proj, l.v_bias, kv_size);
+  const torch::Tensor qg = packed_linear(h, l.q_proj, l.q_bias, 2 * q_size);
+  const torch::Tensor k_flat = packed_linear(h, l.k_proj, l.k_bias, kv_size);
+  const torch::Tensor v_flat = packed_linear(h, l.v_proj, l.v_bias, kv_size);
   watch.lap(kLinears);
   // the query halves as a contiguous [n, heads, d] and the gate halves as [n, heads * d]
   torch::Tensor q = torch::empty({n, num_heads_, d}, h.options()), gate = torch::empty({n, q_size}, h.options());
@@ -133,7 +133,7 @@ torch::Tensor FusedHybridDecoder::attention(HybridLayer& l, const torch::Tensor&
   watch.lap(kAttention);
   torch::Tensor gated = attn.view({n, q_size}).mul(gate);  // exact products, any order
   watch.lap(kNorms);
-  torch::Tensor o = panel_linear(gated, l.o_proj, l.o_bias, hidden_);
+  torch::Tensor o = packed_linear(gated, l.o_proj, l.o_bias, hidden_);
   watch.lap(kLinears);
   return o;
 }
@@ -143,8 +143,8 @@ torch::Tensor FusedHybridDecoder::delta_net(HybridLayer& l, const torch::Tensor&
                                             HybridStopwatch& watch) {
   const int64_t n = h.size(0);
   const GdnShape& s = gdn_;
-  const torch::Tensor qkvz = panel_linear(h, l.qkvz, c10::nullopt, s.kh * s.group_width());
-  const torch::Tensor ba = panel_linear(h, l.ba, c10::nullopt, 2 * s.vh);
+  const torch::Tensor qkvz = packed_linear(h, l.qkvz, c10::nullopt, s.kh * s.group_width());
+  const torch::Tensor ba = packed_linear(h, l.ba, c10::nullopt, 2 * s.vh);
   watch.lap(kLinears);
   snapshot(l, step, 0);
   const torch::Tensor conv = gdn_conv_(s, qkvz, l.conv_weight, l.conv_state, step.slots);
@@ -154,7 +154,7 @@ torch::Tensor FusedHybridDecoder::delta_net(HybridLayer& l, const torch::Tensor&
   snapshot(l, step, 1);
   gdn_gated_norm_(s, out, gates.z, l.norm_weight, l.norm_eps);
   watch.lap(kRecurrent);
-  torch::Tensor o = panel_linear(out.view({n, s.value_dim()}), l.out_proj, c10::nullopt, hidden_);
+  torch::Tensor o = packed_linear(out.view({n, s.value_dim()}), l.out_proj, c10::nullopt, hidden_);
   watch.lap(kLinears);
   return o;
 }
@@ -166,11 +166,11 @@ void FusedHybridDecoder::snapshot(HybridLayer& l, const Step& step, int64_t offs
 }
 
 torch::Tensor FusedHybridDecoder::dense_mlp(HybridLayer& l, const torch::Tensor& x, HybridStopwatch& watch) {
-  const torch::Tensor gate_up = panel_linear(x, l.gate_up, c10::nullopt, 2 * l.intermediate);
+  const torch::Tensor gate_up = packed_linear(x, l.gate_up, c10::nullopt, 2 * l.intermediate);
   watch.lap(kLinears);
   const torch::Tensor act = gated_act(gate_up, false);
   watch.lap(kNorms);
-  torch::Tensor out = panel_linear(act, l.down, c10::nullopt, hidden_);
+  torch::Tensor out = packed_linear(act, l.down, c10::nullopt, hidden_);
   watch.lap(kLinears);
   return out;
 }
@@ -178,7 +178,7 @@ torch::Tensor FusedHybridDecoder::dense_mlp(HybridLayer& l, const torch::Tensor&
 // SparseMoE.forward: softmax routing, top-k (renormalised), every routed expert on its rows with
 // the rows' sums in ascending expert order, then + sigmoid(shared_expert_gate(x)) * shared(x).
 torch::Tensor FusedHybridDecoder::moe(HybridLayer& l, const torch::Tensor& x, HybridStopwatch& watch) {
-  torch::Tensor probs = panel_linear(x, l.router, c10::nullopt, l.num_experts);
+  torch::Tensor probs = packed_linear(x, l.router, c10::nullopt, l.num_experts);
   watch.lap(kLinears);
   const MoeRouting routing = moe_route_(probs, l.top_k, l.norm_topk);
   watch.lap(kNorms);

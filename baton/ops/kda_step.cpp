@@ -42,7 +42,7 @@ torch::Tensor kda_mix_(const KdaShape& s, const KdaWeights& w, const torch::Tens
   const torch::Tensor q = l2norm(qkv[0]) * std::pow(static_cast<double>(d), -0.5), k = l2norm(qkv[1]);
   const torch::Tensor v = qkv[2].contiguous();
   const torch::Tensor raw =
-      panel_linear(parts[1].contiguous(), w.f_b, c10::nullopt, hd).view({n, h, d}) + w.dt_bias.view({h, d});
+      packed_linear(parts[1].contiguous(), w.f_b, c10::nullopt, hd).view({n, h, d}) + w.dt_bias.view({h, d});
   const torch::Tensor decay = w.neg_exp_a.unsqueeze(1) * at::softplus(raw);
   const torch::Tensor beta = parts[3].sigmoid();
   torch::Tensor out = torch::empty({n, h, d}, proj.options());
@@ -52,7 +52,7 @@ torch::Tensor kda_mix_(const KdaShape& s, const KdaWeights& w, const torch::Tens
                                               v.narrow(0, t, 1), decay.narrow(0, t, 1).contiguous(),
                                               beta.narrow(0, t, 1).contiguous(), state));
   }
-  const torch::Tensor gate = panel_linear(parts[2].contiguous(), w.g_b, c10::nullopt, hd).view({n, h, d});
+  const torch::Tensor gate = packed_linear(parts[2].contiguous(), w.g_b, c10::nullopt, hd).view({n, h, d});
   out = out * torch::rsqrt(out.pow(2).mean(-1, true) + w.eps) * w.o_norm;
   return (out * gate.sigmoid()).reshape({n, hd});
 }

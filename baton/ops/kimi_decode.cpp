@@ -39,14 +39,14 @@ void FusedKimiDecoder::add_kda_layer(torch::Tensor input_norm, torch::Tensor pos
   const int64_t channels = s.channels();
   check_vector(input_norm, hidden_, "input_norm");
   check_vector(post_attn_norm, hidden_, "post_attn_norm");
-  check_panels(in_proj, hidden_, s.proj_width(), "in_proj");
-  check_panels(o_proj, s.hd(), hidden_, "o_proj");
+  check_packed(in_proj, hidden_, s.proj_width(), "in_proj");
+  check_packed(o_proj, s.hd(), hidden_, "o_proj");
   check_float(conv_weight, "conv_weight");
   TORCH_CHECK(conv_weight.is_contiguous() && conv_weight.dim() == 2 && conv_weight.size(0) == channels &&
                   conv_weight.size(1) == s.kc,
               "conv_weight must be contiguous [", channels, ", ", s.kc, "], got ", conv_weight.sizes());
-  check_panels(f_b, s.d, s.hd(), "f_b_proj");
-  check_panels(g_b, s.d, s.hd(), "g_b_proj");
+  check_packed(f_b, s.d, s.hd(), "f_b_proj");
+  check_packed(g_b, s.d, s.hd(), "g_b_proj");
   check_vector(dt_bias, s.hd(), "dt_bias");
   check_vector(neg_exp_a, s.h, "neg_exp_a");
   check_vector(o_norm, s.d, "o_norm");
@@ -93,22 +93,22 @@ void FusedKimiDecoder::add_mla_layer(torch::Tensor input_norm, torch::Tensor pos
   check_vector(post_attn_norm, hidden_, "post_attn_norm");
   if (q_lora_rank_ > 0) {
     TORCH_CHECK(q_a.has_value() && q_a_norm.has_value() && q_b.has_value(), "q_lora_rank needs q_a, its norm, q_b");
-    check_panels(*q_a, hidden_, q_lora_rank_, "q_a_proj");
+    check_packed(*q_a, hidden_, q_lora_rank_, "q_a_proj");
     check_bias(q_a_bias, q_lora_rank_, "q_a_proj bias");
     check_vector(*q_a_norm, q_lora_rank_, "q_a_layernorm");
-    check_panels(*q_b, q_lora_rank_, q_out, "q_b_proj");
+    check_packed(*q_b, q_lora_rank_, q_out, "q_b_proj");
   } else {
     TORCH_CHECK(q_proj.has_value(), "q_proj is needed without q_lora_rank");
-    check_panels(*q_proj, hidden_, q_out, "q_proj");
+    check_packed(*q_proj, hidden_, q_out, "q_proj");
   }
-  check_panels(kv_a, hidden_, s.latent(), "kv_a_proj_with_mqa");
+  check_packed(kv_a, hidden_, s.latent(), "kv_a_proj_with_mqa");
   check_bias(kv_a_bias, s.latent(), "kv_a_proj_with_mqa bias");
   check_vector(kv_a_norm, s.rank, "kv_a_layernorm");
   check_float(kv_b, "kv_b_proj");
   TORCH_CHECK(kv_b.is_contiguous() && kv_b.dim() == 2 && kv_b.size(0) == s.heads * (s.dn + s.dv) &&
                   kv_b.size(1) == s.rank,
               "kv_b_proj must be contiguous [", s.heads * (s.dn + s.dv), ", ", s.rank, "], got ", kv_b.sizes());
-  check_panels(o_proj, s.heads * s.dv, hidden_, "o_proj");
+  check_packed(o_proj, s.heads * s.dv, hidden_, "o_proj");
   check_bias(o_bias, hidden_, "o_proj bias");
   check_float(k_cache, "k_cache");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == 1 && k_cache.size(2) == s.latent() && k_cache.stride(2) == 1,
@@ -138,8 +138,8 @@ void FusedKimiDecoder::add_mla_layer(torch::Tensor input_norm, torch::Tensor pos
 }
 
 void FusedKimiDecoder::set_dense_mlp(torch::Tensor gate_up, torch::Tensor down, int64_t intermediate) {
-  check_panels(gate_up, hidden_, 2 * intermediate, "gate_up");
-  check_panels(down, intermediate, hidden_, "down");
+  check_packed(gate_up, hidden_, 2 * intermediate, "gate_up");
+  check_packed(down, intermediate, hidden_, "down");
   std::lock_guard<std::mutex> lock(mu_);
   KimiLayer& l = last_layer();
   l.has_mlp = true;
@@ -161,13 +161,13 @@ void FusedKimiDecoder::set_moe(torch::Tensor router_weight, torch::Tensor correc
   TORCH_CHECK(static_cast<int64_t>(expert_gate_up.size()) == experts && expert_down.size() == expert_gate_up.size(),
               "one gate_up and one down per expert of the router's ", experts);
   for (int64_t e = 0; e < experts; ++e) {
-    check_panels(expert_gate_up[e], hidden_, 2 * moe_intermediate, "expert gate_up");
-    check_panels(expert_down[e], moe_intermediate, hidden_, "expert down");
+    check_packed(expert_gate_up[e], hidden_, 2 * moe_intermediate, "expert gate_up");
+    check_packed(expert_down[e], moe_intermediate, hidden_, "expert down");
   }
   TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value(), "the shared expert needs gate_up and down");
   if (shared_gate_up.has_value()) {
-    check_panels(*shared_gate_up, hidden_, 2 * shared_intermediate, "shared gate_up");
-    check_panels(*shared_down, shared_intermediate, hidden_, "shared down");
+    check_packed(*shared_gate_up, hidden_, 2 * shared_intermediate, "shared gate_up");
+    check_packed(*shared_down, shared_intermediate, hidden_, "shared down");
   }
   std::lock_guard<std::mutex> lock(mu_);
   KimiLayer& l = last_layer();

@@ -61,7 +61,7 @@ torch::Tensor FusedKimiDecoder::forward(const torch::Tensor& x_in, const std::ve
 
 // KimiDeltaAttention.forward for one token per row; its checkpoints before and after the token.
 torch::Tensor FusedKimiDecoder::kda(KimiLayer& l, const torch::Tensor& h, const Step& step) {
-  const torch::Tensor proj = panel_linear(h, l.in_proj, c10::nullopt, kda_.proj_width());
+  const torch::Tensor proj = packed_linear(h, l.in_proj, c10::nullopt, kda_.proj_width());
   const auto snapshot = [&](int64_t offset) {
     snapshot_states(l.conv_ckpt, l.rec_ckpt, l.conv_state, l.rec_state, step.slots, step.snapshot_rows,
                     step.snapshot_offsets, step.snapshot_ids, offset);
@@ -70,7 +70,7 @@ torch::Tensor FusedKimiDecoder::kda(KimiLayer& l, const torch::Tensor& h, const 
   const torch::Tensor conv = kda_conv_(kda_, l.kda, proj, l.conv_state, step.slots);
   const torch::Tensor out = kda_mix_(kda_, l.kda, proj, conv, l.rec_state, step.slots);
   snapshot(1);
-  return panel_linear(out, l.o_proj, c10::nullopt, hidden_);
+  return packed_linear(out, l.o_proj, c10::nullopt, hidden_);
 }
 
 // MLAttention.forward for decode rows: q, the normed latent and kr written to the cache, the
@@ -81,12 +81,12 @@ torch::Tensor FusedKimiDecoder::mla(KimiLayer& l, const torch::Tensor& h, const 
   const int64_t q_out = s.heads * (s.dn + s.dr);
   const torch::Tensor q =
       (q_lora_rank_ > 0
-           ? panel_linear(rms_norm(panel_linear(h, l.q_a, l.q_a_bias, q_lora_rank_), c10::nullopt, l.q_a_norm,
+           ? packed_linear(rms_norm(packed_linear(h, l.q_a, l.q_a_bias, q_lora_rank_), c10::nullopt, l.q_a_norm,
                                    kLatentNormEps, 0.0),
                           l.q_b, c10::nullopt, q_out)
-           : panel_linear(h, l.q_proj, c10::nullopt, q_out))
+           : packed_linear(h, l.q_proj, c10::nullopt, q_out))
           .view({n, s.heads, s.dn + s.dr});
-  const torch::Tensor ckv = panel_linear(h, l.kv_a, l.kv_a_bias, latent);
+  const torch::Tensor ckv = packed_linear(h, l.kv_a, l.kv_a_bias, latent);
   const torch::Tensor c =
       rms_norm(ckv.slice(1, 0, s.rank).contiguous(), c10::nullopt, l.kv_a_norm, kLatentNormEps, 0.0);
   {
@@ -103,14 +103,14 @@ torch::Tensor FusedKimiDecoder::mla(KimiLayer& l, const torch::Tensor& h, const 
   }
   const torch::Tensor attn = mla_decode(s, q, l.cache, l.kv_b, step.block_ids[l.group], step.kv_offsets[l.group],
                                         step.kv_lens[l.group], step.block_size, scale_);
-  return panel_linear(attn, l.mla_o, l.mla_o_bias, hidden_);
+  return packed_linear(attn, l.mla_o, l.mla_o_bias, hidden_);
 }
 
 // The dense gated-SiLU MLP, or GroupedSigmoidMoE.forward: sigmoid routing, the routed experts
 // summed in ascending expert order, + the ungated shared expert.
 torch::Tensor FusedKimiDecoder::mlp(KimiLayer& l, const torch::Tensor& x) {
   if (!l.moe)
-    return panel_linear(gated_act(panel_linear(x, l.gate_up, c10::nullopt, 2 * l.intermediate), false), l.down,
+    return packed_linear(gated_act(packed_linear(x, l.gate_up, c10::nullopt, 2 * l.intermediate), false), l.down,
                         c10::nullopt, hidden_);
   const MoeRouting routing = sigmoid_route(x, l.router);
   torch::Tensor out = moe_experts(x, routing, l.expert_gate_up, l.expert_down, l.moe_intermediate);

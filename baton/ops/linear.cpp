@@ -1,9 +1,11 @@
-// y = x W^T (+ b) over a weight packed once into column panels [ceil(N / 16), K, 16]: one panel
+// y = x W^T (+ b) over a float32 weight packed once into column panels [ceil(N / 16), K, 16]: one panel
 // holds 16 output features for every k, so the kernel streams each panel front to back
 // (prefetching ahead) with 8 rows of x at a time broadcast against it in registers. Every output
 // is summed over k in the same order whatever the row count, so a row's result does not depend
-// on which other rows share the call (batch invariance by construction).
+// on which other rows share the call (batch invariance by construction). packed_linear also takes
+// weights in GGUF blocks (uint8) and hands them to quant_linear.cpp.
 #include "cpu_vec.h"
+#include "quant_linear.h"
 
 #include <ATen/Parallel.h>
 #include <torch/types.h>
@@ -73,19 +75,8 @@ torch::Tensor pack_weight_panels(const torch::Tensor& weight) {
   return padded.view({panels, kLanes, k}).transpose(1, 2).contiguous();
 }
 
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                            int64_t n_dim) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.device().is_cpu(),
-              "x must be float32 [rows, K] on the CPU, contiguous in K, got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes && packed.scalar_type() == at::kFloat &&
-                  packed.is_contiguous() && packed.device().is_cpu(),
-              "the packed weight must be contiguous float32 [panels, K, ", kLanes, "] (pack_weight_panels), got ",
-              packed.scalar_type(), " ", packed.sizes());
-  TORCH_CHECK(packed.size(1) == x.size(1), "x has K = ", x.size(1), " input features, the packed weight ",
-              packed.size(1));
-  TORCH_CHECK(n_dim >= 0 && n_dim <= packed.size(0) * kLanes, "out_features = ", n_dim,
-              " is outside the packed weight's ", packed.size(0) * kLanes, " (", packed.size(0), " panels of ", kLanes,
-              ")");
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias, int64_t n_dim) {
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n_dim && bias->is_contiguous() && bias->scalar_type() == at::kFloat &&
@@ -94,6 +85,18 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed, 
                 bias->sizes());
     b = bias->data_ptr<float>();
   }
+  if (packed.scalar_type() == at::kByte) return quant_linear(x, packed, b, n_dim);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.device().is_cpu(),
+              "x must be float32 [rows, K] on the CPU, contiguous in K, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes && packed.scalar_type() == at::kFloat &&
+                  packed.is_contiguous() && packed.device().is_cpu(),
+              "the packed weight must be contiguous float32 [panels, K, ", kLanes, "] (pack_weight_panels) or ",
+              "uint8 GGUF blocks [N, blocks, block bytes], got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(packed.size(1) == x.size(1), "x has K = ", x.size(1), " input features, the packed weight ",
+              packed.size(1));
+  TORCH_CHECK(n_dim >= 0 && n_dim <= packed.size(0) * kLanes, "out_features = ", n_dim,
+              " is outside the packed weight's ", packed.size(0) * kLanes, " (", packed.size(0), " panels of ", kLanes,
+              ")");
   const int64_t rows = x.size(0), k_dim = x.size(1), panels = packed.size(0);
   auto y = torch::empty({rows, n_dim}, x.options());
   const float* xp = x.data_ptr<float>();

@@ -42,8 +42,8 @@ torch::Tensor moe_experts(const torch::Tensor& x, const MoeRouting& routing, con
                           const std::vector<torch::Tensor>& down, int64_t intermediate) {
   const int64_t hidden = x.size(1);
   return moe_experts_by(x, routing, static_cast<int64_t>(gate_up.size()), [&](int64_t e, const torch::Tensor& xe) {
-    const torch::Tensor act = gated_act(panel_linear(xe, gate_up[e], c10::nullopt, 2 * intermediate), false);
-    return panel_linear(act, down[e], c10::nullopt, hidden);
+    const torch::Tensor act = gated_act(packed_linear(xe, gate_up[e], c10::nullopt, 2 * intermediate), false);
+    return packed_linear(act, down[e], c10::nullopt, hidden);
   });
 }
 
@@ -89,11 +89,11 @@ void moe_add_shared_(torch::Tensor& out, const torch::Tensor& x, const torch::Te
                      const torch::Tensor& down, int64_t intermediate, const torch::Tensor& gate_weight) {
   const int64_t n = x.size(0), hidden = x.size(1);
   float* outp = out.data_ptr<float>();
-  const torch::Tensor act = gated_act(panel_linear(x, gate_up, c10::nullopt, 2 * intermediate), false);
-  const torch::Tensor shared = panel_linear(act, down, c10::nullopt, hidden);
+  const torch::Tensor act = gated_act(packed_linear(x, gate_up, c10::nullopt, 2 * intermediate), false);
+  const torch::Tensor shared = packed_linear(act, down, c10::nullopt, hidden);
   const float* sp = shared.data_ptr<float>();
   if (gate_weight.defined()) {
-    torch::Tensor gate = panel_linear(x, gate_weight, c10::nullopt, 1);
+    torch::Tensor gate = packed_linear(x, gate_weight, c10::nullopt, 1);
     float* gp = gate.data_ptr<float>();
     torch_unary(gp, gp, n, 1, true, Sigmoid());
     for (int64_t t = 0; t < n; ++t)

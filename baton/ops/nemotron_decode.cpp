@@ -52,9 +52,9 @@ void FusedNemotronDecoder::add_mamba_layer(torch::Tensor norm, torch::Tensor in_
   const MambaShape& s = mamba_;
   const int64_t channels = s.conv_dim();
   check_vector(norm, hidden_, "norm");
-  check_panels(in_proj, hidden_, s.proj_width(), "in_proj");
+  check_packed(in_proj, hidden_, s.proj_width(), "in_proj");
   check_bias(in_bias, s.proj_width(), "in_proj bias");
-  check_panels(out_proj, s.inner(), hidden_, "out_proj");
+  check_packed(out_proj, s.inner(), hidden_, "out_proj");
   check_bias(out_bias, hidden_, "out_proj bias");
   check_float(conv_weight, "conv_weight");
   TORCH_CHECK(conv_weight.is_contiguous() && conv_weight.dim() == 2 && conv_weight.size(0) == channels &&
@@ -98,10 +98,10 @@ void FusedNemotronDecoder::add_attention_layer(torch::Tensor norm, torch::Tensor
                                                torch::Tensor v_cache, int64_t group) {
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   check_vector(norm, hidden_, "norm");
-  check_panels(q_proj, hidden_, q_size, "q_proj");
-  check_panels(k_proj, hidden_, kv_size, "k_proj");
-  check_panels(v_proj, hidden_, kv_size, "v_proj");
-  check_panels(o_proj, q_size, hidden_, "o_proj");
+  check_packed(q_proj, hidden_, q_size, "q_proj");
+  check_packed(k_proj, hidden_, kv_size, "k_proj");
+  check_packed(v_proj, hidden_, kv_size, "v_proj");
+  check_packed(o_proj, q_size, hidden_, "o_proj");
   check_float(k_cache, "k_cache");
   check_float(v_cache, "v_cache");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == num_kv_heads_ && k_cache.size(2) == head_dim_ &&
@@ -126,9 +126,9 @@ void FusedNemotronDecoder::add_mlp_layer(torch::Tensor norm, torch::Tensor up, c
                                          torch::Tensor down, c10::optional<torch::Tensor> down_bias,
                                          int64_t intermediate) {
   check_vector(norm, hidden_, "norm");
-  check_panels(up, hidden_, intermediate, "up_proj");
+  check_packed(up, hidden_, intermediate, "up_proj");
   check_bias(up_bias, intermediate, "up_proj bias");
-  check_panels(down, intermediate, hidden_, "down_proj");
+  check_packed(down, intermediate, hidden_, "down_proj");
   check_bias(down_bias, hidden_, "down_proj bias");
   std::lock_guard<std::mutex> lock(mu_);
   NemotronLayer& l = add_layer(std::move(norm), NemotronLayer::kMlp);
@@ -157,20 +157,20 @@ void FusedNemotronDecoder::add_moe_layer(
   TORCH_CHECK(fc1.has_value() == fc2.has_value(), "a latent space needs fc1 and fc2");
   TORCH_CHECK(fc1.has_value() || width == hidden_, "experts without a latent space have the hidden width");
   if (fc1.has_value()) {
-    check_panels(*fc1, hidden_, width, "fc1_latent_proj");
+    check_packed(*fc1, hidden_, width, "fc1_latent_proj");
     check_bias(fc1_bias, width, "fc1_latent_proj bias");
-    check_panels(*fc2, width, hidden_, "fc2_latent_proj");
+    check_packed(*fc2, width, hidden_, "fc2_latent_proj");
     check_bias(fc2_bias, hidden_, "fc2_latent_proj bias");
   }
   for (int64_t e = 0; e < experts; ++e) {
-    check_panels(expert_up[e], width, moe_intermediate, "expert up_proj");
-    check_panels(expert_down[e], moe_intermediate, width, "expert down_proj");
+    check_packed(expert_up[e], width, moe_intermediate, "expert up_proj");
+    check_packed(expert_down[e], moe_intermediate, width, "expert down_proj");
   }
   TORCH_CHECK(shared_up.has_value() == shared_down.has_value(), "the shared expert needs up and down");
   if (shared_up.has_value()) {
-    check_panels(*shared_up, hidden_, shared_intermediate, "shared up_proj");
+    check_packed(*shared_up, hidden_, shared_intermediate, "shared up_proj");
     check_bias(shared_up_bias, shared_intermediate, "shared up_proj bias");
-    check_panels(*shared_down, shared_intermediate, hidden_, "shared down_proj");
+    check_packed(*shared_down, shared_intermediate, hidden_, "shared down_proj");
     check_bias(shared_down_bias, hidden_, "shared down_proj bias");
   }
   std::lock_guard<std::mutex> lock(mu_);

@@ -13,13 +13,13 @@
 torch::Tensor relu2_mlp(const torch::Tensor& x, const torch::Tensor& up, const c10::optional<torch::Tensor>& up_bias,
                         const torch::Tensor& down, const c10::optional<torch::Tensor>& down_bias,
                         int64_t intermediate, int64_t out_features) {
-  torch::Tensor act = panel_linear(x, up, up_bias, intermediate);
+  torch::Tensor act = packed_linear(x, up, up_bias, intermediate);
   float* a = act.data_ptr<float>();
   for (int64_t i = 0; i < act.numel(); ++i) {
     const float r = a[i] < 0.f ? 0.f : a[i];  // F.relu (NaN stays NaN), then .square()
     a[i] = r * r;
   }
-  return panel_linear(act, down, down_bias, out_features);
+  return packed_linear(act, down, down_bias, out_features);
 }
 
 // x: the embedded tokens [rows, hidden], one decode token per row; per KV group the slot each
@@ -80,7 +80,7 @@ torch::Tensor FusedNemotronDecoder::forward(const torch::Tensor& x_in, const std
 
 // Mamba2Mixer.forward for one token per row; its checkpoints before and after the token.
 torch::Tensor FusedNemotronDecoder::mamba(NemotronLayer& l, const torch::Tensor& h, const Step& step) {
-  const torch::Tensor zxbcdt = panel_linear(h, l.in_proj, l.in_bias, mamba_.proj_width());
+  const torch::Tensor zxbcdt = packed_linear(h, l.in_proj, l.in_bias, mamba_.proj_width());
   const auto snapshot = [&](int64_t offset) {
     snapshot_states(l.conv_ckpt, l.ssm_ckpt, l.conv_state, l.ssm_state, step.slots, step.snapshot_rows,
                     step.snapshot_offsets, step.snapshot_ids, offset);
@@ -89,34 +89,34 @@ torch::Tensor FusedNemotronDecoder::mamba(NemotronLayer& l, const torch::Tensor&
   const torch::Tensor conv = mamba_conv_(mamba_, l.mamba, zxbcdt, l.conv_state, step.slots);
   const torch::Tensor y = mamba_ssm_(mamba_, l.mamba, zxbcdt, conv, l.ssm_state, step.slots);
   snapshot(1);
-  return panel_linear(y, l.out_proj, l.out_bias, hidden_);
+  return packed_linear(y, l.out_proj, l.out_bias, hidden_);
 }
 
 // NoPEAttention.forward: q, k, v, the KV write, paged decode attention, o_proj.
 torch::Tensor FusedNemotronDecoder::attention(NemotronLayer& l, const torch::Tensor& h, const Step& step) {
   const int64_t n = h.size(0), d = head_dim_, q_size = num_heads_ * d, kv_size = num_kv_heads_ * d;
-  const torch::Tensor q = panel_linear(h, l.q_proj, c10::nullopt, q_size).view({n, num_heads_, d});
-  const torch::Tensor k = panel_linear(h, l.k_proj, c10::nullopt, kv_size).view({n, num_kv_heads_, d});
-  const torch::Tensor v = panel_linear(h, l.v_proj, c10::nullopt, kv_size).view({n, num_kv_heads_, d});
+  const torch::Tensor q = packed_linear(h, l.q_proj, c10::nullopt, q_size).view({n, num_heads_, d});
+  const torch::Tensor k = packed_linear(h, l.k_proj, c10::nullopt, kv_size).view({n, num_kv_heads_, d});
+  const torch::Tensor v = packed_linear(h, l.v_proj, c10::nullopt, kv_size).view({n, num_kv_heads_, d});
   write_kv(k, l.k_cache, step.slot_mapping[l.group]);
   write_kv(v, l.v_cache, step.slot_mapping[l.group]);
   const torch::Tensor attn = paged_decode_attention_checked_context(
       q, l.k_cache, l.v_cache, step.block_ids[l.group], step.kv_offsets[l.group], step.kv_lens[l.group],
       step.block_size, scale_);
-  return panel_linear(attn.view({n, q_size}), l.o_proj, c10::nullopt, hidden_);
+  return packed_linear(attn.view({n, q_size}), l.o_proj, c10::nullopt, hidden_);
 }
 
 // NemotronHMoE.forward: sigmoid routing, the routed relu2 experts (in the latent space where
 // there is one) summed in ascending expert order, + the shared expert.
 torch::Tensor FusedNemotronDecoder::moe(NemotronLayer& l, const torch::Tensor& h) {
   const MoeRouting routing = sigmoid_route(h, l.router);
-  const torch::Tensor xe = l.fc1.defined() ? panel_linear(h, l.fc1, l.fc1_bias, l.width) : h;
+  const torch::Tensor xe = l.fc1.defined() ? packed_linear(h, l.fc1, l.fc1_bias, l.width) : h;
   torch::Tensor out = moe_experts_by(xe, routing, static_cast<int64_t>(l.expert_up.size()),
                                      [&](int64_t e, const torch::Tensor& rows) {
                                        return relu2_mlp(rows, l.expert_up[e], c10::nullopt, l.expert_down[e],
                                                         c10::nullopt, l.moe_intermediate, l.width);
                                      });
-  if (l.fc2.defined()) out = panel_linear(out, l.fc2, l.fc2_bias, hidden_);
+  if (l.fc2.defined()) out = packed_linear(out, l.fc2, l.fc2_bias, hidden_);
   if (l.up.defined()) out.add_(relu2_mlp(h, l.up, l.up_bias, l.down, l.down_bias, l.intermediate, hidden_));
   return out;
 }

@@ -3,6 +3,8 @@
 // decode.cpp's fused decode step.
 #include <torch/types.h>
 
+#include "quant_linear.h"
+
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_table,
                                      const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
@@ -19,7 +21,9 @@ torch::Tensor paged_decode_attention_checked_context(const torch::Tensor& q, con
                                                      int64_t block_size, double scale);
 int64_t panel_lanes();
 torch::Tensor pack_weight_panels(const torch::Tensor& weight);
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& packed,
+// x [rows, K] @ W^T (+ bias) where `packed` is float32 panels (pack_weight_panels) or uint8 GGUF
+// blocks [N, blocks, block bytes] (quant_linear.h); a row's bits do not depend on the other rows.
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias, int64_t n_dim);
 
 torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual, const torch::Tensor& weight,

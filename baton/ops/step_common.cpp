@@ -17,7 +17,13 @@ void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
   TORCH_CHECK(t.is_contiguous() && t.numel() == n, name, " must be contiguous [", n, "], got ", t.sizes());
 }
 
-void check_panels(const torch::Tensor& t, int64_t k, int64_t n, const char* name) {
+void check_packed(const torch::Tensor& t, int64_t k, int64_t n, const char* name) {
+  TORCH_CHECK(t.defined() && t.device().is_cpu(), name, " must be a CPU tensor");
+  if (t.scalar_type() == at::kByte) {  // GGUF blocks [n, blocks, block bytes]
+    TORCH_CHECK(t.dim() == 3 && t.size(0) == n && t.size(1) * quant_block_values(t) == k, name,
+                " must be GGUF blocks of an [", n, ", ", k, "] weight, got ", t.sizes());
+    return;
+  }
   check_float(t, name);
   TORCH_CHECK(t.dim() == 3 && t.is_contiguous() && t.size(1) == k && t.size(2) == panel_lanes() &&
                   t.size(0) * panel_lanes() >= n,

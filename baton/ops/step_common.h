@@ -10,10 +10,10 @@
 #include <vector>
 
 // A layer's weights: a float32 CPU tensor; a contiguous one of n floats; the packed panels
-// (pack_weight_panels) of an [n, k] weight. Each throws, naming the tensor.
+// (pack_weight_panels) or GGUF blocks of an [n, k] weight. Each throws, naming the tensor.
 void check_float(const torch::Tensor& t, const char* name);
 void check_vector(const torch::Tensor& t, int64_t n, const char* name);
-void check_panels(const torch::Tensor& t, int64_t k, int64_t n, const char* name);
+void check_packed(const torch::Tensor& t, int64_t k, int64_t n, const char* name);
 
 // A step of n decode rows: per KV group g that some layer reads (group_slots[g] its layers'
 // fewest cache slots; int64 max where no layer reads it), the slot each row writes and the

@@ -5,3 +5,4 @@
 #include "gdn_step.cpp"
 #include "moe_step.cpp"
 #include "sigmoid_route.cpp"
+#include "quant_linear.cpp"

@@ -1,0 +1,118 @@
+"""How far a quantized model's next-token distributions are from the float32 model's, for baton and
+for llama.cpp's `llama-perplexity --kl-divergence`, on the same file and text, side by side.
+
+    python bench/quant_quality.py [--model smollm2-135m] [--text /usr/share/common-licenses/GPL-3]
+        [--ctx 512] [--chunks 8] [--quantization q4_k]
+
+The text is cut into chunks of --ctx tokens, each starting with BOS, and (as llama-perplexity
+does) the second half of each chunk is scored: mean KL(float32 || quantized), top-1 agreement and
+the perplexity of each model. Without --quantization, baton's quantized model is the GGUF file as
+shipped and its float32 model the same file dequantized (`--dtype float32`), so baton's figures
+measure only its kernels; with it, the dequantized weights quantized again at load. llama.cpp's
+float32 model is the F32 GGUF made from the same weights (bench/peer_servers.f32_gguf).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from baton import LLM
+from baton.bench.hf_export import export_hf_dir
+from baton.config import EnvSettings
+from baton.models.loader import resolve_model_path
+from bench.peer_servers import f32_gguf, llama_cpp_binary
+
+
+def chunks(llm: LLM, text: str, ctx: int, count: int) -> list[list[int]]:
+    ids = llm.engine.tokenizer.encode(text)
+    bos = llm.engine.model_config.bos_token_id
+    out = [ids[i : i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)][:count]
+    return [[bos, *c[1:]] if bos is not None else c for c in out]
+
+
+def scored_logprobs(llm: LLM, batches: list[list[int]]) -> torch.Tensor:
+    """log-softmax of the next-token logits over the second half of every chunk: [positions, vocab]."""
+    rows = []
+    for ids in batches:
+        logits = llm.prompt_logits({"prompt_token_ids": ids})
+        rows.append(logits[len(ids) // 2 : -1].log_softmax(-1))
+    return torch.cat(rows)
+
+
+def targets(batches: list[list[int]]) -> torch.Tensor:
+    return torch.tensor([t for ids in batches for t in ids[len(ids) // 2 + 1 :]])
+
+
+def baton_figures(model: str, quantization: str | None, text: str, ctx: int, count: int) -> dict[str, float]:
+    ref = LLM(model, dtype="float32", progress=False)
+    batches = chunks(ref, text, ctx, count)
+    base = scored_logprobs(ref, batches)
+    del ref
+    quant = LLM(model, quantization=quantization, progress=False)
+    test = scored_logprobs(quant, batches)
+    tgt = targets(batches)
+    kl = (base.exp() * (base - test)).sum(-1)
+    return {
+        "tokens scored": float(len(tgt)),
+        "mean KL": kl.mean().item(),
+        "top-1 agreement %": 100 * (base.argmax(-1) == test.argmax(-1)).float().mean().item(),
+        "PPL float32": base.gather(1, tgt[:, None]).mean().neg().exp().item(),
+        "PPL quantized": test.gather(1, tgt[:, None]).mean().neg().exp().item(),
+    }
+
+
+def llama_cpp_figures(model: str, text_file: Path, ctx: int, count: int) -> dict[str, float]:
+    cache = EnvSettings.read().cache_dir
+    tool = llama_cpp_binary(cache, "llama-perplexity")
+    f32 = f32_gguf(cache, model, export_hf_dir(model))
+    common = ["-f", str(text_file), "-c", str(ctx), "--chunks", str(count), "-t", "2"]
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base.kld"
+        run = subprocess.run(
+            [str(tool), "-m", str(f32), "--kl-divergence-base", str(base), *common], capture_output=True, text=True
+        )
+        ppl_f32 = _final(r"Final estimate: PPL = ([\d.]+)", run.stdout + run.stderr)
+        cmd = [str(tool), "-m", str(resolve_model_path(model)), "--kl-divergence-base", str(base), "--kl-divergence"]
+        out = subprocess.run([*cmd, *common], capture_output=True, text=True)
+    log = out.stdout + out.stderr
+    return {
+        "mean KL": _final(r"Mean\s+KLD:\s+([\d.eE+-]+)", log),
+        "top-1 agreement %": _final(r"Same top p:\s+([\d.]+)", log),
+        "PPL float32": ppl_f32,
+        "PPL quantized": _final(r"Mean\s+PPL\(Q\)\s*:\s+([\d.]+)", log),
+    }
+
+
+def _final(pattern: str, log: str) -> float:
+    found = re.findall(pattern, log)
+    return float(found[-1]) if found else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    args = ap.parse_args()
+    text = Path(args.text).read_text()
+    rows = {"baton": baton_figures(args.model, args.quantization, text, args.ctx, args.chunks)}
+    if not args.no_llama_cpp and args.quantization is None:
+        rows["llama.cpp"] = llama_cpp_figures(args.model, Path(args.text), args.ctx, args.chunks)
+    print(f"{args.model}, {Path(args.text).name}, {args.chunks} chunks of {args.ctx}, second halves scored")
+    names = list(rows["baton"])
+    print(f"{'':<11}" + "".join(f"{n:>20}" for n in names))
+    for who, figures in rows.items():
+        print(f"{who:<11}" + "".join(f"{figures.get(n, float('nan')):>20.6g}" for n in names))
+
+
+if __name__ == "__main__":
+    main()
