@@ -22,6 +22,10 @@ CORES = 2  # every server computes on cores 0 .. CORES - 1
 VLLM_VERSION = "0.32.0"
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist carries the llama.cpp sources
 MAX_MODEL_LEN = {"smollm2-135m": 4096, "gemma3-270m": 10240}
+# KV pools: llama-server's holds LLAMA_CPP_KV_TOKENS positions (f16) shared by its slots; baton's
+# budget holds as many in float32 in every layer (layers x 2 x kv heads x head dim x 4 bytes each)
+LLAMA_CPP_KV_TOKENS = 16384
+KV_BYTES_PER_TOKEN = {"smollm2-135m": 30 * 2 * 3 * 64 * 4, "gemma3-270m": 18 * 2 * 1 * 256 * 4}
 # inherited variables that change how a server computes or allocates: printed with the settings when set
 RELEVANT_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LD_PRELOAD", "BATON_", "VLLM_", "LLAMA_", "GGML_")
 
@@ -119,8 +123,9 @@ def start_server(peer: str, model: str, weights: Path, cache: Path, log_path: Pa
     if peer == "baton":
         cmd = [sys.executable, "-m", "baton.cli", "serve", "--model", str(weights), "--served-model-name", model]
         cmd += ["--port", str(port), "--max-model-len", max_len]
+        cmd += ["--kv-cache-memory-bytes", str(LLAMA_CPP_KV_TOKENS * KV_BYTES_PER_TOKEN[model])]
         env, timeout = {"BATON_LOG_LEVEL": "WARNING"}, 300
-        note = "compute threads: torch's default, one per core, unbound"
+        note = f"compute threads: torch's default, one per core, unbound; KV: {LLAMA_CPP_KV_TOKENS} positions, float32"
     elif peer == "vllm":
         cmd = [str(vllm_python(cache)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights)]
         cmd += ["--served-model-name", model, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32"]
@@ -139,7 +144,7 @@ def start_server(peer: str, model: str, weights: Path, cache: Path, log_path: Pa
         cmd = [str(llama_server_binary(cache)), "-m", str(weights), "-a", model]
         # 32 slots sharing one 16k-token KV pool: every workload's sequences fit at once
         cmd += ["--host", "127.0.0.1", "--port", str(port), "-t", str(CORES), "-np", "32", "--kv-unified"]
-        cmd += ["-c", "16384"]
+        cmd += ["-c", str(LLAMA_CPP_KV_TOKENS)]
         env, timeout = {}, 120
         note = "KV cache: its default type, f16; built with GGML_NATIVE=ON, AMX off"
     else:

@@ -228,7 +228,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of every workload on every server; medians shown")
     ap.add_argument("--gemma-repeats", type=int, default=None, help="rounds for gemma3-270m (default: --repeats)")
     ap.add_argument("--peers", nargs="+", default=["baton", "vllm", "llama.cpp"], choices=PEERS["f32"])
+    names = [w[0] for w in WORKLOADS]
+    ap.add_argument("--workloads", nargs="+", default=names, choices=names, help="default: all")
     args = ap.parse_args()
+    WORKLOADS[:] = [w for w in WORKLOADS if w[0] in args.workloads]
     kinds = ["f32", "gguf"] if args.weights == "both" else [args.weights]
 
     torch.set_num_threads(CORES)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from baton.kv.spec import KVSpec
-from baton.ops import empty_huge_pages
+from baton.ops import zeros_on_demand
 
 KV_LAYOUTS = {"NHD": "LTHD", "HND": "LHTD"}  # storage layout -> axis order of a group's tensor
 
@@ -50,8 +50,9 @@ class KVStorage:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
-    """The pool on transparent huge pages on the CPU: decode reads blocks scattered over it."""
+    """The pool on transparent huge pages on the CPU (decode reads blocks scattered over it), zero and
+    resident only as blocks fill: a large budget costs memory when used, not at start."""
     nbytes = math.prod(shape) * dtype.itemsize
     if device != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return empty_huge_pages(nbytes).view(dtype).view(shape).zero_()
+    return zeros_on_demand(nbytes).view(dtype).view(shape)

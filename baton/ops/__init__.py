@@ -223,6 +223,12 @@ def empty_huge_pages(nbytes: int) -> torch.Tensor:
     return ops().empty_huge_pages(nbytes)
 
 
+def zeros_on_demand(nbytes: int) -> torch.Tensor:
+    """`nbytes` zero bytes (uint8) on transparent huge pages where granted, resident only once
+    touched: the kernel's zero pages, so a large pool costs memory as it fills."""
+    return ops().zeros_on_demand(nbytes)
+
+
 def recurrent_scan_(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -24,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotary embedding in place", release());
   m.def("gated_act", &gated_act, "act(gate) * up", release());
   m.def("empty_huge_pages", &empty_huge_pages, "uninitialized bytes on transparent huge pages", release());
+  m.def("zeros_on_demand", &zeros_on_demand, "zero bytes on huge pages, resident once touched", release());
   m.def("recurrent_scan_", &recurrent_scan_, "recurrent-state scan over tokens, state in place", release());
   bind_fused_decoder(m);
   bind_fused_hybrid_decoder(m);

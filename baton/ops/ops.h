@@ -32,6 +32,9 @@ void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& weight, double eps, 
 void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor gated_act(const torch::Tensor& x, bool gelu_tanh);
 torch::Tensor empty_huge_pages(int64_t nbytes);
+// nbytes zero bytes (uint8) of anonymous memory on huge pages where granted: the kernel's zero pages,
+// resident only once touched (a KV pool costs memory as its blocks fill, not at start)
+torch::Tensor zeros_on_demand(int64_t nbytes);
 
 // The recurrent-state scan (Gated DeltaNet, Kimi Delta Attention, Mamba2): out [T, H, Dv], state
 // [H, Dk, Dv] updated in place; decay [T, H] or [T, H, Dk]; beta [T, H] or none (see recurrent.cpp).

@@ -2,11 +2,12 @@
 // [N, blocks, block_bytes], each row of N its K inputs in ggml's blocks (Q8_0, Q4_0, Q4_1, Q5_0,
 // Q5_1: 32 values a block; Q4_K, Q5_K, Q6_K: 256). The block size in bytes names the format.
 //
-// One kernel for every row count: each thread dequantizes 4 output rows at a time into a float
-// buffer in L1 (once per 4 outputs and block of x rows, so a decode reads each weight byte once
-// and a prefill dequantizes once per 64 rows), then sums each (row, output) over k in vector lanes
-// in k order and reduces the lanes last. That order is the same whatever the number of rows or
-// which rows share the call, so a row's bits do not depend on its batch, as with linear.cpp.
+// Each thread takes 4 output rows at a time. With many rows of x, it dequantizes them into a float
+// buffer in L1 (once per pass of 256 KiB of x rows), then sums each (row, output) over k in vector
+// lanes in k order and reduces the lanes last. With up to 4 rows (2 under AVX2), it dequantizes in
+// registers and multiplies each vector into the same accumulators in the same order: the same bits
+// without the buffer's stores and loads. So a row's bits do not depend on how many rows share the
+// call or which, as with linear.cpp.
 #include "quant_linear.h"
 
 #include "cpu_vec.h"
@@ -40,40 +41,40 @@ void scale_min_k4(int j, const uint8_t* q, float* sc, float* m) {
   }
 }
 
-// Each dequantizes one block into out (32 or 256 floats), the formulas of ggml's dequantize_row_*
+// Each dequantizes one block (32 or 256 values) with the formulas of ggml's dequantize_row_*,
 // evaluated as the gguf package does (the same bits): the codes unpacked with 16-byte integer
-// operations (SSE, on any AVX2 or AVX-512 CPU), converted exactly to float, then scaled.
+// operations (SSE, on any AVX2 or AVX-512 CPU), converted exactly to float, then scaled in vector
+// registers. Each hands its values to `sink(offset, vector)` in ascending offsets, a vector at a
+// time: a sink that stores them fills a buffer (dequant_blocks); one that multiplies them into
+// accumulators (register_tile) sums exactly what a dot over that buffer sums, in the same order.
 
 // byte lanes of v shifted right by n
 inline __m128i srli8(__m128i v, int n) { return _mm_and_si128(_mm_srli_epi16(v, n), _mm_set1_epi8(0xFF >> n)); }
 
-// 16 unsigned byte codes -> out[0, 16) as floats (exact)
-inline void codes_to_float(__m128i u8, float* out) {
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// 16 byte codes (unsigned, or signed for Q8_0) at `offset`, as d * (code - bias) or, for the
+// formats with an offset (whose codes have no bias), d * code + m: (code - bias) is exact, so this
+// is d * code [+ m] with the code's sign, the gguf package's float32 arithmetic
+enum class Codes { kUnsigned, kSigned };
+enum class Offset { kNone, kAdd };
+
+template <Codes C, Offset O, class Sink>
+inline void emit16(__m128i codes, int offset, const Vec& d, const Vec& bias, const Vec& m, Sink& sink) {
+  const auto value = [&](const Vec& v) {  // d * (v - 0) + m is d * v + m: no subtraction for codes >= 0
+    if constexpr (O == Offset::kAdd) return d * v + m;
+    else return d * (v - bias);
+  };
 #if defined(CPU_CAPABILITY_AVX512)
-  _mm512_storeu_ps(out, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u8)));
+  const __m512i wide = C == Codes::kSigned ? _mm512_cvtepi8_epi32(codes) : _mm512_cvtepu8_epi32(codes);
+  sink(offset, value(Vec(_mm512_cvtepi32_ps(wide))));
 #else
-  _mm256_storeu_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8)));
-  _mm256_storeu_ps(out + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(u8, 8))));
+  const __m128i upper = _mm_srli_si128(codes, 8);
+  const __m256i lo = C == Codes::kSigned ? _mm256_cvtepi8_epi32(codes) : _mm256_cvtepu8_epi32(codes);
+  const __m256i hi = C == Codes::kSigned ? _mm256_cvtepi8_epi32(upper) : _mm256_cvtepu8_epi32(upper);
+  sink(offset, value(Vec(_mm256_cvtepi32_ps(lo))));
+  sink(offset + 8, value(Vec(_mm256_cvtepi32_ps(hi))));
 #endif
-}
-
-// out[j] = d * (out[j] - bias) + m over n floats (n a multiple of the vector width); (u - bias) is
-// exact, so this is d * code + m with the code's sign
-inline void scale(float* out, int n, float d, float bias, float m) {
-  const Vec vd(d), vb(bias), vm(m);
-  for (int j = 0; j < n; j += Vec::size()) (vd * (Vec::loadu(out + j) - vb) + vm).store(out + j);
-}
-
-inline void scale(float* out, int n, float d, float bias) {
-  const Vec vd(d), vb(bias);
-  for (int j = 0; j < n; j += Vec::size()) (vd * (Vec::loadu(out + j) - vb)).store(out + j);
-}
-
-// 16 bytes of nibbles -> 32 codes: the low nibbles first, then the high ones
-inline void nibbles(const uint8_t* qs, float* out) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  codes_to_float(_mm_and_si128(raw, _mm_set1_epi8(0x0F)), out);
-  codes_to_float(srli8(raw, 4), out + 16);
 }
 
 // bits [0, 16) of `bits` as bytes 0x10 (set) or 0 (Q5's fifth bit)
@@ -84,118 +85,189 @@ inline __m128i fifth_bits(uint32_t bits) {
   return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, mask), mask), _mm_set1_epi8(0x10));
 }
 
-inline void nibbles_5(const uint8_t* qs, const uint8_t* qh_bytes, float* out) {
+const __m128i kLow4 = _mm_set1_epi8(0x0F);
+
+template <class Sink>
+inline void dequant_q8_0(const uint8_t* b, Sink&& sink) {
+  const Vec d(half(b)), zero(0.f);
+  emit16<Codes::kSigned, Offset::kNone>(load16(b + 2), 0, d, zero, zero, sink);
+  emit16<Codes::kSigned, Offset::kNone>(load16(b + 18), 16, d, zero, zero, sink);
+}
+
+// Q4_0 / Q4_1: 16 bytes of nibbles, the low ones values [0, 16), the high ones [16, 32)
+template <class Sink>
+inline void dequant_q4_0(const uint8_t* b, Sink&& sink) {
+  const Vec d(half(b)), bias(8.f), zero(0.f);
+  const __m128i raw = load16(b + 2);
+  emit16<Codes::kUnsigned, Offset::kNone>(_mm_and_si128(raw, kLow4), 0, d, bias, zero, sink);
+  emit16<Codes::kUnsigned, Offset::kNone>(srli8(raw, 4), 16, d, bias, zero, sink);
+}
+
+template <class Sink>
+inline void dequant_q4_1(const uint8_t* b, Sink&& sink) {
+  const Vec d(half(b)), m(half(b + 2)), zero(0.f);
+  const __m128i raw = load16(b + 4);
+  emit16<Codes::kUnsigned, Offset::kAdd>(_mm_and_si128(raw, kLow4), 0, d, zero, m, sink);
+  emit16<Codes::kUnsigned, Offset::kAdd>(srli8(raw, 4), 16, d, zero, m, sink);
+}
+
+// Q5_0 / Q5_1: nibbles plus a fifth bit from the 32 bits qh (bit j for value j)
+template <class Sink>
+inline void dequant_q5_0(const uint8_t* b, Sink&& sink) {
+  const Vec d(half(b)), bias(16.f), zero(0.f);
   uint32_t qh;
-  std::memcpy(&qh, qh_bytes, 4);
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  codes_to_float(_mm_or_si128(_mm_and_si128(raw, _mm_set1_epi8(0x0F)), fifth_bits(qh)), out);
-  codes_to_float(_mm_or_si128(srli8(raw, 4), fifth_bits(qh >> 16)), out + 16);
+  std::memcpy(&qh, b + 2, 4);
+  const __m128i raw = load16(b + 6);
+  emit16<Codes::kUnsigned, Offset::kNone>(_mm_or_si128(_mm_and_si128(raw, kLow4), fifth_bits(qh)), 0, d, bias, zero,
+                                          sink);
+  emit16<Codes::kUnsigned, Offset::kNone>(_mm_or_si128(srli8(raw, 4), fifth_bits(qh >> 16)), 16, d, bias, zero, sink);
 }
 
-inline void dequant_q8_0(const uint8_t* __restrict b, float* __restrict out) {
-  const float d = half(b);
-  const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
-  for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(qs[j]);
+template <class Sink>
+inline void dequant_q5_1(const uint8_t* b, Sink&& sink) {
+  const Vec d(half(b)), m(half(b + 2)), zero(0.f);
+  uint32_t qh;
+  std::memcpy(&qh, b + 4, 4);
+  const __m128i raw = load16(b + 8);
+  emit16<Codes::kUnsigned, Offset::kAdd>(_mm_or_si128(_mm_and_si128(raw, kLow4), fifth_bits(qh)), 0, d, zero, m,
+                                         sink);
+  emit16<Codes::kUnsigned, Offset::kAdd>(_mm_or_si128(srli8(raw, 4), fifth_bits(qh >> 16)), 16, d, zero, m, sink);
 }
 
-inline void dequant_q4_0(const uint8_t* __restrict b, float* __restrict out) {
-  nibbles(b + 2, out);
-  scale(out, 32, half(b), 8.f);
-}
-
-inline void dequant_q4_1(const uint8_t* __restrict b, float* __restrict out) {
-  nibbles(b + 4, out);
-  scale(out, 32, half(b), 0.f, half(b + 2));
-}
-
-inline void dequant_q5_0(const uint8_t* __restrict b, float* __restrict out) {
-  nibbles_5(b + 6, b + 2, out);
-  scale(out, 32, half(b), 16.f);
-}
-
-inline void dequant_q5_1(const uint8_t* __restrict b, float* __restrict out) {
-  nibbles_5(b + 8, b + 4, out);
-  scale(out, 32, half(b), 0.f, half(b + 2));
-}
-
-// Q4_K / Q5_K: 8 sub-blocks of 32, each (d * sc) * code - (dmin * m)
-inline void dequant_q4_k(const uint8_t* __restrict b, float* __restrict out) {
+// Q4_K / Q5_K: 8 sub-blocks of 32, each (d * sc) * code - (dmin * m); per 64 values, 32 bytes whose
+// low nibbles are the first sub-block and high nibbles the second (Q5_K: fifth bits from qh)
+template <bool FifthBit, class Sink>
+inline void dequant_k(const uint8_t* b, Sink&& sink) {
   const float d = half(b), dmin = half(b + 2);
-  const uint8_t *scales = b + 4, *qs = b + 16;
-  for (int is = 0; is < 8; is += 2, qs += 32, out += 64) {
-    for (int c = 0; c < 32; c += 16) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + c));
-      codes_to_float(_mm_and_si128(raw, _mm_set1_epi8(0x0F)), out + c);
-      codes_to_float(srli8(raw, 4), out + 32 + c);
+  const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (FifthBit ? 48 : 16);
+  const Vec zero(0.f), one_bit(0.f);
+  for (int is = 0; is < 8; is += 2, qs += 32) {
+    for (int part = 0; part < 2; ++part) {  // the low nibbles' sub-block, then the high ones'
+      float sc, m;
+      scale_min_k4(is + part, scales, &sc, &m);
+      const Vec vd(d * sc), vm(-(dmin * m));
+      for (int c = 0; c < 32; c += 16) {
+        const __m128i raw = load16(qs + c);
+        __m128i codes = part == 0 ? _mm_and_si128(raw, kLow4) : srli8(raw, 4);
+        if constexpr (FifthBit) {
+          const __m128i bit = _mm_and_si128(srli8(load16(qh + c), is + part), _mm_set1_epi8(1));
+          codes = _mm_or_si128(codes, _mm_slli_epi16(bit, 4));
+        }
+        emit16<Codes::kUnsigned, Offset::kAdd>(codes, 32 * (is + part) + c, vd, zero, vm, sink);
+      }
     }
-    float sc, m;
-    scale_min_k4(is, scales, &sc, &m);
-    scale(out, 32, d * sc, 0.f, -(dmin * m));
-    scale_min_k4(is + 1, scales, &sc, &m);
-    scale(out + 32, 32, d * sc, 0.f, -(dmin * m));
   }
 }
 
-inline void dequant_q5_k(const uint8_t* __restrict b, float* __restrict out) {
-  const float d = half(b), dmin = half(b + 2);
-  const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
-  for (int is = 0, shift = 0; is < 8; is += 2, shift += 2, ql += 32, out += 64) {
-    for (int c = 0; c < 32; c += 16) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + c));
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + c));
-      const __m128i one = _mm_set1_epi8(1);
-      const __m128i h0 = _mm_slli_epi16(_mm_and_si128(srli8(h, shift), one), 4);
-      const __m128i h1 = _mm_slli_epi16(_mm_and_si128(srli8(h, shift + 1), one), 4);
-      codes_to_float(_mm_or_si128(_mm_and_si128(raw, _mm_set1_epi8(0x0F)), h0), out + c);
-      codes_to_float(_mm_or_si128(srli8(raw, 4), h1), out + 32 + c);
-    }
-    float sc, m;
-    scale_min_k4(is, scales, &sc, &m);
-    scale(out, 32, d * sc, 0.f, -(dmin * m));
-    scale_min_k4(is + 1, scales, &sc, &m);
-    scale(out + 32, 32, d * sc, 0.f, -(dmin * m));
-  }
+template <class Sink>
+inline void dequant_q4_k(const uint8_t* b, Sink&& sink) {
+  dequant_k<false>(b, sink);
 }
 
-// Q6_K: 16 sub-blocks of 16, each d * sc * code with code in [-32, 32): 4 low bits from ql, 2
-// high bits from qh
-inline void dequant_q6_k(const uint8_t* __restrict b, float* __restrict out) {
-  const uint8_t *ql = b, *qh = b + 128;
+template <class Sink>
+inline void dequant_q5_k(const uint8_t* b, Sink&& sink) {
+  dequant_k<true>(b, sink);
+}
+
+// Q6_K: 16 sub-blocks of 16, each (d * sc) * (code - 32), code 4 low bits from ql and 2 high bits
+// from qh; per 128 values, group g of 32 takes ql's low (g = 0, 1) or high (g = 2, 3) nibbles of
+// bytes [0, 32) (g even) or [32, 64) (g odd) and qh's bits 2g, 2g + 1
+template <class Sink>
+inline void dequant_q6_k(const uint8_t* b, Sink&& sink) {
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   const float d = half(b + 208);
-  const __m128i low4 = _mm_set1_epi8(0x0F), low2 = _mm_set1_epi8(0x03);
-  for (int n = 0; n < 2; ++n, ql += 64, qh += 32, sc += 8, out += 128) {
-    for (int c = 0; c < 32; c += 16) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + c));
-      const __m128i a2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 32 + c));
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + c));
-      const auto high = [&](int shift) { return _mm_slli_epi16(_mm_and_si128(srli8(h, shift), low2), 4); };
-      codes_to_float(_mm_or_si128(_mm_and_si128(a, low4), high(0)), out + c);
-      codes_to_float(_mm_or_si128(_mm_and_si128(a2, low4), high(2)), out + 32 + c);
-      codes_to_float(_mm_or_si128(srli8(a, 4), high(4)), out + 64 + c);
-      codes_to_float(_mm_or_si128(srli8(a2, 4), high(6)), out + 96 + c);
+  const Vec bias(32.f), zero(0.f);
+  for (int n = 0; n < 2; ++n) {
+    const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+    for (int g = 0; g < 4; ++g) {
+      for (int c = 0; c < 32; c += 16) {
+        const __m128i raw = load16(ql + 32 * (g & 1) + c);
+        const __m128i low = g < 2 ? _mm_and_si128(raw, kLow4) : srli8(raw, 4);
+        const __m128i high = _mm_slli_epi16(_mm_and_si128(srli8(load16(qh + c), 2 * g), _mm_set1_epi8(3)), 4);
+        const int offset = 128 * n + 32 * g + c;
+        const Vec ds(d * static_cast<float>(sc[offset / 16]));
+        emit16<Codes::kUnsigned, Offset::kNone>(_mm_or_si128(low, high), offset, ds, bias, zero, sink);
+      }
     }
-    for (int s = 0; s < 8; ++s) scale(out + 16 * s, 16, d * static_cast<float>(sc[s]), 32.f);
   }
 }
 
-// one row's blocks; Dequant inlined into the loop
-template <void (*Dequant)(const uint8_t* __restrict, float* __restrict), int64_t Values, int64_t Bytes>
+#define BATON_FORMAT_TYPE(Name, fn, values, bytes)         \
+  struct Name {                                            \
+    static constexpr int64_t kValues = values;             \
+    static constexpr int64_t kBytes = bytes;               \
+    template <class Sink>                                  \
+    static void run(const uint8_t* b, Sink&& sink) {       \
+      fn(b, sink);                                         \
+    }                                                      \
+  };
+BATON_FORMAT_TYPE(Q8_0, dequant_q8_0, 32, 34)
+BATON_FORMAT_TYPE(Q4_0, dequant_q4_0, 32, 18)
+BATON_FORMAT_TYPE(Q4_1, dequant_q4_1, 32, 20)
+BATON_FORMAT_TYPE(Q5_0, dequant_q5_0, 32, 22)
+BATON_FORMAT_TYPE(Q5_1, dequant_q5_1, 32, 24)
+BATON_FORMAT_TYPE(Q4_K, dequant_q4_k, 256, 144)
+BATON_FORMAT_TYPE(Q5_K, dequant_q5_k, 256, 176)
+BATON_FORMAT_TYPE(Q6_K, dequant_q6_k, 256, 210)
+#undef BATON_FORMAT_TYPE
+
+constexpr int64_t kOutputs = 4;                          // output rows dequantized at a time
+constexpr int64_t kRowTile = Vec::size() >= 16 ? 4 : 2;  // rows of x per register tile
+constexpr int64_t kRowBlockBytes = 256 * 1024;           // x rows a pass keeps in L2
+
+// a row's blocks into out, float32, in order
+template <class F>
 void dequant_blocks(const uint8_t* row, int64_t blocks, float* out) {
-  for (int64_t b = 0; b < blocks; ++b) Dequant(row + b * Bytes, out + b * Values);
+  for (int64_t b = 0; b < blocks; ++b, out += F::kValues)
+    F::run(row + b * F::kBytes, [out](int offset, const Vec& v) { v.store(out + offset); });
+}
+
+// y[r, n0 + j] for Rows rows of x and `outputs` <= kOutputs weight rows w + j * row_bytes, the
+// weights dequantized in registers: each accumulator takes the same fused multiply-adds in the same
+// order as tile_kernel's over a dequant_blocks buffer, so the two give the same bits
+template <class F, int64_t Rows>
+void register_tile(const uint8_t* w, int64_t row_bytes, int64_t blocks, const float* x, int64_t x_stride, float* y,
+                   int64_t y_stride, int64_t n0, int64_t outputs, const float* bias) {
+  Vec acc[Rows][kOutputs];
+  for (int64_t r = 0; r < Rows; ++r)
+    for (int64_t j = 0; j < kOutputs; ++j) acc[r][j] = Vec(0.f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * F::kValues;
+    for (int64_t j = 0; j < kOutputs; ++j) {
+      if (j >= outputs) break;
+      F::run(w + j * row_bytes + b * F::kBytes, [&](int offset, const Vec& v) {
+        for (int64_t r = 0; r < Rows; ++r) acc[r][j] = at::vec::fmadd(Vec::loadu(xb + r * x_stride + offset), v, acc[r][j]);
+      });
+    }
+  }
+  for (int64_t r = 0; r < Rows; ++r)
+    for (int64_t j = 0; j < outputs; ++j)
+      y[r * y_stride + n0 + j] = sum_lanes(acc[r][j]) + (bias ? bias[n0 + j] : 0.f);
+}
+
+template <class F>
+void register_rows(int64_t rows, const uint8_t* w, int64_t row_bytes, int64_t blocks, const float* x, int64_t x_stride,
+                   float* y, int64_t y_stride, int64_t n0, int64_t outputs, const float* bias) {
+  switch (rows) {
+    case 1: return register_tile<F, 1>(w, row_bytes, blocks, x, x_stride, y, y_stride, n0, outputs, bias);
+    case 2: return register_tile<F, 2>(w, row_bytes, blocks, x, x_stride, y, y_stride, n0, outputs, bias);
+    case 3: return register_tile<F, 3>(w, row_bytes, blocks, x, x_stride, y, y_stride, n0, outputs, bias);
+    case 4: return register_tile<F, 4>(w, row_bytes, blocks, x, x_stride, y, y_stride, n0, outputs, bias);
+  }
 }
 
 struct Format {
   int64_t block_bytes, block_values;
   void (*dequant_row)(const uint8_t*, int64_t, float*);
+  void (*register_rows)(int64_t, const uint8_t*, int64_t, int64_t, const float*, int64_t, float*, int64_t, int64_t,
+                        int64_t, const float*);
 };
 
-#define BATON_FORMAT(fn, values, bytes) {bytes, values, dequant_blocks<fn, values, bytes>}
+#define BATON_FORMAT(F) {F::kBytes, F::kValues, dequant_blocks<F>, register_rows<F>}
 // Distinct block sizes in bytes: a weight's last dimension names its format.
 constexpr Format kFormats[] = {
-    BATON_FORMAT(dequant_q8_0, 32, 34),   BATON_FORMAT(dequant_q4_0, 32, 18),   BATON_FORMAT(dequant_q4_1, 32, 20),
-    BATON_FORMAT(dequant_q5_0, 32, 22),   BATON_FORMAT(dequant_q5_1, 32, 24),   BATON_FORMAT(dequant_q4_k, 256, 144),
-    BATON_FORMAT(dequant_q5_k, 256, 176), BATON_FORMAT(dequant_q6_k, 256, 210),
+    BATON_FORMAT(Q8_0), BATON_FORMAT(Q4_0), BATON_FORMAT(Q4_1), BATON_FORMAT(Q5_0),
+    BATON_FORMAT(Q5_1), BATON_FORMAT(Q4_K), BATON_FORMAT(Q5_K), BATON_FORMAT(Q6_K),
 };
 #undef BATON_FORMAT
 
@@ -208,10 +280,6 @@ const Format& format_of(const torch::Tensor& w) {
   TORCH_CHECK(false, "no GGUF block format of ", w.size(2), " bytes (Q8_0 34, Q4_0 18, Q4_1 20, Q5_0 22, Q5_1 24, ",
               "Q4_K 144, Q5_K 176, Q6_K 210)");
 }
-
-constexpr int64_t kOutputs = 4;                          // output rows dequantized at a time
-constexpr int64_t kRowTile = Vec::size() >= 16 ? 4 : 2;  // rows of x per register tile
-constexpr int64_t kRowBlockBytes = 256 * 1024;           // x rows a pass keeps in L2
 
 // acc[r][j] = sum over k of x[r, k] * w[j, k] in lanes; y[r, n0 + j] = its lanes summed (+ bias)
 template <int64_t Rows>
@@ -265,6 +333,14 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& weight, 
   for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
     const int64_t r1 = std::min(rows, r0 + block_rows);
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      if (r1 - r0 <= kRowTile) {  // a few rows (decode): dequantized in registers, no buffer
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t n0 = t * kOutputs;
+          f.register_rows(r1 - r0, wp + n0 * row_bytes, row_bytes, blocks, xp + r0 * x_stride, x_stride,
+                          yp + r0 * n_dim, n_dim, n0, std::min(kOutputs, n_dim - n0), bias);
+        }
+        return;
+      }
       std::vector<float> w(kOutputs * k_dim);
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n0 = t * kOutputs, outputs = std::min(kOutputs, n_dim - n0);
