@@ -63,7 +63,7 @@ def test_kernel_matches_gguf_dequantization(qtype):
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
 def test_a_row_has_the_same_bits_in_any_batch(qtype):
     g = torch.Generator().manual_seed(0)
-    k = 1024  # 64 rows of x per pass: 300 rows cross passes
+    k = 1024  # 252 rows of x per pass: 300 rows cross passes
     t = BlockTensor.from_rows(qtype, quantize_matrix(torch.randn(50, k, generator=g), QUANT_TYPES[qtype.lower()]))
     x = torch.randn(300, k, generator=g)
     together = packed_linear(x, t.blocks, None, 50)

@@ -3,8 +3,8 @@
 // Q5_1: 32 values a block; Q4_K, Q5_K, Q6_K: 256). The block size in bytes names the format.
 //
 // Each thread takes 4 output rows at a time. With many rows of x, it dequantizes them into a float
-// buffer in L1 (once per pass of 256 KiB of x rows), then sums each (row, output) over k in vector
-// lanes in k order and reduces the lanes last. With up to 4 rows (2 under AVX2), it dequantizes in
+// buffer in L1 (once per pass of 1 MiB of x rows), then sums each (row, output) over k in vector
+// lanes in k order and reduces the lanes last. With up to 6 rows (2 under AVX2), it dequantizes in
 // registers and multiplies each vector into the same accumulators in the same order: the same bits
 // without the buffer's stores and loads. So a row's bits do not depend on how many rows share the
 // call or which, as with linear.cpp.
@@ -231,8 +231,8 @@ BATON_FORMAT_TYPE(Q6_K, dequant_q6_k, 256, 210)
 #undef BATON_FORMAT_TYPE
 
 constexpr int64_t kOutputs = 4;                          // output rows dequantized at a time
-constexpr int64_t kRowTile = Vec::size() >= 16 ? 4 : 2;  // rows of x per register tile
-constexpr int64_t kRowBlockBytes = 256 * 1024;           // x rows a pass keeps in L2
+constexpr int64_t kRowTile = Vec::size() >= 16 ? 6 : 2;  // rows of x per register tile
+constexpr int64_t kRowBlockBytes = 1024 * 1024;          // x rows a pass keeps in L2
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead to prefetch weights (8 KiB: A/B best)
 
 // a row's blocks into out, float32, in order
@@ -276,6 +276,8 @@ void register_rows(int64_t rows, const uint8_t* w, int64_t row_bytes, int64_t bl
     case 2: return register_tile<F, 2>(w, row_bytes, blocks, x, x_stride, y, y_stride, n0, outputs, bias);
     case 3: return register_tile<F, 3>(w, row_bytes, blocks, x, x_stride, y, y_stride, n0, outputs, bias);
     case 4: return register_tile<F, 4>(w, row_bytes, blocks, x, x_stride, y, y_stride, n0, outputs, bias);
+    case 5: return register_tile<F, 5>(w, row_bytes, blocks, x, x_stride, y, y_stride, n0, outputs, bias);
+    case 6: return register_tile<F, 6>(w, row_bytes, blocks, x, x_stride, y, y_stride, n0, outputs, bias);
   }
 }
 
@@ -331,6 +333,8 @@ void rows_kernel(int64_t rows, const float* x, int64_t x_stride, int64_t k_dim, 
     case 2: return tile_kernel<2>(x, x_stride, k_dim, w, y, y_stride, n0, outputs, bias);
     case 3: return tile_kernel<3>(x, x_stride, k_dim, w, y, y_stride, n0, outputs, bias);
     case 4: return tile_kernel<4>(x, x_stride, k_dim, w, y, y_stride, n0, outputs, bias);
+    case 5: return tile_kernel<5>(x, x_stride, k_dim, w, y, y_stride, n0, outputs, bias);
+    case 6: return tile_kernel<6>(x, x_stride, k_dim, w, y, y_stride, n0, outputs, bias);
   }
 }
 
