@@ -114,12 +114,7 @@ class FusedHybridDecoder:
                     router=mlp.gate.packed,
                     top_k=mlp.top_k,
                     norm_topk_prob=mlp.norm_topk_prob,
-                    expert_gate_up=[e.gate_up_proj.packed for e in mlp.experts],
-                    expert_down=[e.down_proj.packed for e in mlp.experts],
-                    moe_intermediate=mlp.experts[0].down_proj.in_features,
-                    shared_gate_up=None if shared is None else shared.gate_up_proj.packed,
-                    shared_down=None if shared is None else shared.down_proj.packed,
-                    shared_intermediate=0 if shared is None else shared.down_proj.in_features,
+                    **expert_arguments(mlp.experts, shared),
                     shared_gate=None if mlp.shared_expert_gate is None else mlp.shared_expert_gate.packed,
                 )
             else:
@@ -163,3 +158,15 @@ class FusedHybridDecoder:
         """x: the embedded decode tokens, one per row; rope: the full-attention cos and signed sin."""
         self.steps += 1
         return self._decoder.forward(x, rope[0], rope[1], *step_arguments(ctx))
+
+
+def expert_arguments(experts: torch.nn.ModuleList, shared: torch.nn.Module | None) -> dict:
+    """The routed experts' and the shared expert's packed gate_up / down weights, as set_moe takes them."""
+    return {
+        "expert_gate_up": [e.gate_up_proj.packed for e in experts],
+        "expert_down": [e.down_proj.packed for e in experts],
+        "moe_intermediate": experts[0].down_proj.in_features,
+        "shared_gate_up": None if shared is None else shared.gate_up_proj.packed,
+        "shared_down": None if shared is None else shared.down_proj.packed,
+        "shared_intermediate": 0 if shared is None else shared.down_proj.in_features,
+    }

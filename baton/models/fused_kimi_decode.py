@@ -10,7 +10,7 @@ import torch
 from baton.kv.spec import STATE_DTYPE
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.fused_hybrid_decode import step_arguments
+from baton.models.fused_hybrid_decode import expert_arguments, step_arguments
 from baton.models.layers import PackedLinear
 from baton.models.moe import GroupedSigmoidMoE
 from baton.ops import ops
@@ -97,12 +97,7 @@ class FusedKimiDecoder:
                     topk_group=gate.topk_group,
                     norm_topk_prob=gate.norm_topk_prob,
                     routed_scaling_factor=gate.routed_scaling_factor,
-                    expert_gate_up=[e.gate_up_proj.packed for e in mlp.experts],
-                    expert_down=[e.down_proj.packed for e in mlp.experts],
-                    moe_intermediate=mlp.experts[0].down_proj.in_features,
-                    shared_gate_up=None if shared is None else shared.gate_up_proj.packed,
-                    shared_down=None if shared is None else shared.down_proj.packed,
-                    shared_intermediate=0 if shared is None else shared.down_proj.in_features,
+                    **expert_arguments(mlp.experts, shared),
                 )
             else:
                 self._decoder.set_dense_mlp(
