@@ -84,19 +84,17 @@ def material(workers, request) -> Material:
 
 
 def same_plan(a: ImportPlan, b: ImportPlan) -> bool:
-    """Equal but for the first token: any id is the signed sender's to choose, not a corruption."""
-    return (
-        a.prompt_token_ids == b.prompt_token_ids
-        and a.source_dtype == b.source_dtype
-        and len(a.writes) == len(b.writes)
-        and all(
-            x.group_id == y.group_id
-            and np.array_equal(x.positions, y.positions)
-            and torch.equal(x.k, y.k)
-            and torch.equal(x.v, y.v)
-            for x, y in zip(a.writes, b.writes)
-        )
-    )
+    """Equal but for the first token (any id is the signed sender's to choose, not a corruption) and
+    for K and V exchanged throughout: relabelling every K tensor V and every V tensor K makes a
+    well-formed span of equal shapes and checksums that its signer could have sent, which no check
+    of the bytes can tell from the original."""
+    same = a.prompt_token_ids == b.prompt_token_ids and a.source_dtype == b.source_dtype
+    same = same and len(a.writes) == len(b.writes)
+    pairs = list(zip(a.writes, b.writes))
+    same = same and all(x.group_id == y.group_id and np.array_equal(x.positions, y.positions) for x, y in pairs)
+    as_is = all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) for x, y in pairs)
+    exchanged = all(torch.equal(x.k, y.v) and torch.equal(x.v, y.k) for x, y in pairs)
+    return same and (as_is or exchanged)
 
 
 def assert_refused_or_harmless(decode: LLM, m: Material, blob: bytes) -> None:
