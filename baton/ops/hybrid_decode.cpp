@@ -80,24 +80,11 @@ void FusedHybridDecoder::add_recurrent_layer(torch::Tensor input_norm, torch::Te
   check_packed(ba, hidden_, 2 * gdn_.vh, "in_proj_ba");
   check_packed(out_proj, gdn_.vh * gdn_.dv, hidden_, "out_proj");
   check_float(conv_weight, "conv_weight");
-  TORCH_CHECK(conv_weight.is_contiguous() && conv_weight.dim() == 2 && conv_weight.size(0) == channels &&
-                  conv_weight.size(1) == gdn_.kc,
-              "conv_weight must be contiguous [", channels, ", ", gdn_.kc, "], got ", conv_weight.sizes());
+  check_recurrent_tensors(conv_weight, channels, gdn_.kc, conv_state, rec_state, conv_checkpoints, rec_checkpoints,
+                          {gdn_.vh, gdn_.dk, gdn_.dv}, "rec_state", "rec_checkpoints");
   check_vector(neg_exp_a, gdn_.vh, "neg_exp_a");
   check_vector(dt_bias, gdn_.vh, "dt_bias");
   check_vector(norm_weight, gdn_.dv, "norm_weight");
-  const std::vector<int64_t> conv_shape{channels, gdn_.kc - 1}, rec_shape{gdn_.vh, gdn_.dk, gdn_.dv};
-  for (const auto& [t, shape, name] : {std::tuple{&conv_state, &conv_shape, "conv_state"},
-                                       std::tuple{&rec_state, &rec_shape, "rec_state"},
-                                       std::tuple{&conv_checkpoints, &conv_shape, "conv_checkpoints"},
-                                       std::tuple{&rec_checkpoints, &rec_shape, "rec_checkpoints"}}) {
-    check_float(*t, name);
-    TORCH_CHECK(t->dim() == 1 + static_cast<int64_t>(shape->size()) && t->sizes().slice(1) == *shape &&
-                    (t->size(0) == 0 || t->select(0, 0).is_contiguous()),
-                name, " must be [n, ", c10::IntArrayRef(*shape), "], each entry contiguous, got ", t->sizes());
-  }
-  TORCH_CHECK(conv_checkpoints.size(0) == rec_checkpoints.size(0), "one conv and one state checkpoint per id");
-  TORCH_CHECK(conv_state.size(0) == rec_state.size(0), "one conv and one state slot per slot");
   std::lock_guard<std::mutex> lock(mu_);
   HybridLayer l;
   l.recurrent = true;

@@ -42,26 +42,13 @@ void FusedKimiDecoder::add_kda_layer(torch::Tensor input_norm, torch::Tensor pos
   check_packed(in_proj, hidden_, s.proj_width(), "in_proj");
   check_packed(o_proj, s.hd(), hidden_, "o_proj");
   check_float(conv_weight, "conv_weight");
-  TORCH_CHECK(conv_weight.is_contiguous() && conv_weight.dim() == 2 && conv_weight.size(0) == channels &&
-                  conv_weight.size(1) == s.kc,
-              "conv_weight must be contiguous [", channels, ", ", s.kc, "], got ", conv_weight.sizes());
+  check_recurrent_tensors(conv_weight, channels, s.kc, conv_state, rec_state, conv_checkpoints, rec_checkpoints,
+                          {s.h, s.d, s.d}, "rec_state", "rec_checkpoints");
   check_packed(f_b, s.d, s.hd(), "f_b_proj");
   check_packed(g_b, s.d, s.hd(), "g_b_proj");
   check_vector(dt_bias, s.hd(), "dt_bias");
   check_vector(neg_exp_a, s.h, "neg_exp_a");
   check_vector(o_norm, s.d, "o_norm");
-  const std::vector<int64_t> conv_shape{channels, s.kc - 1}, rec_shape{s.h, s.d, s.d};
-  for (const auto& [t, shape, name] : {std::tuple{&conv_state, &conv_shape, "conv_state"},
-                                       std::tuple{&rec_state, &rec_shape, "rec_state"},
-                                       std::tuple{&conv_checkpoints, &conv_shape, "conv_checkpoints"},
-                                       std::tuple{&rec_checkpoints, &rec_shape, "rec_checkpoints"}}) {
-    check_float(*t, name);
-    TORCH_CHECK(t->dim() == 1 + static_cast<int64_t>(shape->size()) && t->sizes().slice(1) == *shape &&
-                    (t->size(0) == 0 || t->select(0, 0).is_contiguous()),
-                name, " must be [n, ", c10::IntArrayRef(*shape), "], each entry contiguous, got ", t->sizes());
-  }
-  TORCH_CHECK(conv_checkpoints.size(0) == rec_checkpoints.size(0), "one conv and one state checkpoint per id");
-  TORCH_CHECK(conv_state.size(0) == rec_state.size(0), "one conv and one state slot per slot");
   std::lock_guard<std::mutex> lock(mu_);
   KimiLayer l;
   l.recurrent = true;

@@ -57,26 +57,13 @@ void FusedNemotronDecoder::add_mamba_layer(torch::Tensor norm, torch::Tensor in_
   check_packed(out_proj, s.inner(), hidden_, "out_proj");
   check_bias(out_bias, hidden_, "out_proj bias");
   check_float(conv_weight, "conv_weight");
-  TORCH_CHECK(conv_weight.is_contiguous() && conv_weight.dim() == 2 && conv_weight.size(0) == channels &&
-                  conv_weight.size(1) == s.kc,
-              "conv_weight must be contiguous [", channels, ", ", s.kc, "], got ", conv_weight.sizes());
+  check_recurrent_tensors(conv_weight, channels, s.kc, conv_state, ssm_state, conv_checkpoints, ssm_checkpoints,
+                          {s.nh, s.n, s.p}, "ssm_state", "ssm_checkpoints");
   check_bias(conv_bias, channels, "conv_bias");
   check_vector(neg_exp_a, s.nh, "neg_exp_a");
   check_vector(dt_bias, s.nh, "dt_bias");
   check_vector(d, s.nh, "D");
   check_vector(norm_weight, s.inner(), "norm_weight");
-  const std::vector<int64_t> conv_shape{channels, s.kc - 1}, ssm_shape{s.nh, s.n, s.p};
-  for (const auto& [t, shape, name] : {std::tuple{&conv_state, &conv_shape, "conv_state"},
-                                       std::tuple{&ssm_state, &ssm_shape, "ssm_state"},
-                                       std::tuple{&conv_checkpoints, &conv_shape, "conv_checkpoints"},
-                                       std::tuple{&ssm_checkpoints, &ssm_shape, "ssm_checkpoints"}}) {
-    check_float(*t, name);
-    TORCH_CHECK(t->dim() == 1 + static_cast<int64_t>(shape->size()) && t->sizes().slice(1) == *shape &&
-                    (t->size(0) == 0 || t->select(0, 0).is_contiguous()),
-                name, " must be [n, ", c10::IntArrayRef(*shape), "], each entry contiguous, got ", t->sizes());
-  }
-  TORCH_CHECK(conv_checkpoints.size(0) == ssm_checkpoints.size(0), "one conv and one state checkpoint per id");
-  TORCH_CHECK(conv_state.size(0) == ssm_state.size(0), "one conv and one state slot per slot");
   std::lock_guard<std::mutex> lock(mu_);
   NemotronLayer& l = add_layer(std::move(norm), NemotronLayer::kMamba);
   l.in_proj = std::move(in_proj);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <tuple>
 
 void check_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.defined() && t.scalar_type() == at::kFloat && t.device().is_cpu(), name,
@@ -28,6 +29,28 @@ void check_packed(const torch::Tensor& t, int64_t k, int64_t n, const char* name
   TORCH_CHECK(t.dim() == 3 && t.is_contiguous() && t.size(1) == k && t.size(2) == panel_lanes() &&
                   t.size(0) * panel_lanes() >= n,
               name, " must be packed panels of a [", n, ", ", k, "] weight, got ", t.sizes());
+}
+
+void check_recurrent_tensors(const torch::Tensor& conv_weight, int64_t channels, int64_t kc,
+                             const torch::Tensor& conv_state, const torch::Tensor& state,
+                             const torch::Tensor& conv_checkpoints, const torch::Tensor& checkpoints,
+                             const std::vector<int64_t>& state_shape, const char* state_name,
+                             const char* checkpoints_name) {
+  TORCH_CHECK(conv_weight.is_contiguous() && conv_weight.dim() == 2 && conv_weight.size(0) == channels &&
+                  conv_weight.size(1) == kc,
+              "conv_weight must be contiguous [", channels, ", ", kc, "], got ", conv_weight.sizes());
+  const std::vector<int64_t> conv_shape{channels, kc - 1};
+  for (const auto& [t, shape, name] : {std::tuple{&conv_state, &conv_shape, "conv_state"},
+                                       std::tuple{&state, &state_shape, state_name},
+                                       std::tuple{&conv_checkpoints, &conv_shape, "conv_checkpoints"},
+                                       std::tuple{&checkpoints, &state_shape, checkpoints_name}}) {
+    check_float(*t, name);
+    TORCH_CHECK(t->dim() == 1 + static_cast<int64_t>(shape->size()) && t->sizes().slice(1) == *shape &&
+                    (t->size(0) == 0 || t->select(0, 0).is_contiguous()),
+                name, " must be [n, ", c10::IntArrayRef(*shape), "], each entry contiguous, got ", t->sizes());
+  }
+  TORCH_CHECK(conv_checkpoints.size(0) == checkpoints.size(0), "one conv and one state checkpoint per id");
+  TORCH_CHECK(conv_state.size(0) == state.size(0), "one conv and one state slot per slot");
 }
 
 void check_kv_step(int64_t n, const std::vector<torch::Tensor>& slot_mapping,

@@ -15,6 +15,15 @@ void check_float(const torch::Tensor& t, const char* name);
 void check_vector(const torch::Tensor& t, int64_t n, const char* name);
 void check_packed(const torch::Tensor& t, int64_t k, int64_t n, const char* name);
 
+// A recurrent layer's causal-conv weight [channels, kc] and its tensors of running slots and
+// checkpoints: conv ones [n, channels, kc - 1], recurrent ones [n, *state_shape] (named
+// `state_name` and `checkpoints_name`), each entry contiguous, as many conv as recurrent entries.
+void check_recurrent_tensors(const torch::Tensor& conv_weight, int64_t channels, int64_t kc,
+                             const torch::Tensor& conv_state, const torch::Tensor& state,
+                             const torch::Tensor& conv_checkpoints, const torch::Tensor& checkpoints,
+                             const std::vector<int64_t>& state_shape, const char* state_name,
+                             const char* checkpoints_name);
+
 // A step of n decode rows: per KV group g that some layer reads (group_slots[g] its layers'
 // fewest cache slots; int64 max where no layer reads it), the slot each row writes and the
 // context it reads. Throws on the first bad entry.
