@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
+# KV cache dtypes besides DTYPES: vLLM's names for fp8 e4m3, scaled per block and KV head
+FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
 QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
 
@@ -56,7 +58,8 @@ class CacheConfig:
     """If set, every KV group gets exactly this many blocks (overrides the byte budget)."""
     enable_prefix_caching: bool = True
     kv_cache_dtype: str | None = None
-    """Storage dtype of the KV cache; defaults to the model dtype."""
+    """Storage dtype of the KV cache: float32, bfloat16, float16, or fp8 (e4m3 with a float32 scale per
+    block and KV head, a power of two); defaults to the model dtype."""
     kv_layout: str = "NHD"
     """Axis order of stored K/V per layer: NHD = [slots, heads, dim], HND = [heads, slots, dim]."""
     state_checkpoint_interval: int | None = None
@@ -65,6 +68,11 @@ class CacheConfig:
     where requests diverge."""
     state_checkpoint_fraction: float = 0.25
     """Recurrent layers: the share of the KV budget (after running requests' state) for checkpoints."""
+
+    def kv_torch_dtype_name(self, model_dtype: str) -> str:
+        if self.kv_cache_dtype in FP8_KV_DTYPES:
+            return "float8_e4m3fn"
+        return self.kv_cache_dtype or model_dtype
 
     def checkpoint_interval(self) -> int:
         return self.state_checkpoint_interval or -(-256 // self.block_size) * self.block_size
@@ -86,8 +94,8 @@ class CacheConfig:
             )
         if not 0.0 <= self.state_checkpoint_fraction < 1.0:
             raise ValueError(f"state_checkpoint_fraction must be in [0, 1), got {self.state_checkpoint_fraction}")
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES + FP8_KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES + FP8_KV_DTYPES)}")
 
 
 @dataclass

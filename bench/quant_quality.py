@@ -2,7 +2,7 @@
 for llama.cpp's `llama-perplexity --kl-divergence`, on the same file and text, side by side.
 
     python bench/quant_quality.py [--model smollm2-135m] [--text /usr/share/common-licenses/GPL-3]
-        [--ctx 512] [--chunks 8] [--quantization q4_k]
+        [--ctx 512] [--chunks 8] [--quantization q4_k | --kv-cache-dtype fp8]
 
 The text is cut into chunks of --ctx tokens, each starting with BOS, and (as llama-perplexity
 does) the second half of each chunk is scored: mean KL(float32 || quantized), top-1 agreement and
@@ -10,6 +10,9 @@ the perplexity of each model. Without --quantization, baton's quantized model is
 shipped and its float32 model the same file dequantized (`--dtype float32`), so baton's figures
 measure only its kernels; with it, the dequantized weights quantized again at load. llama.cpp's
 float32 model is the F32 GGUF made from the same weights (bench/peer_servers.f32_gguf).
+With --kv-cache-dtype, both models run the weights as shipped and differ only in the KV cache's
+dtype ("float32" and "quantized" in the table are then the KV's); pick --ctx past the model's
+sliding window (Gemma3's is 512) so that every kind of layer reads quantized K/V.
 """
 
 from __future__ import annotations
@@ -49,12 +52,12 @@ def targets(batches: list[list[int]]) -> torch.Tensor:
     return torch.tensor([t for ids in batches for t in ids[len(ids) // 2 + 1 :]])
 
 
-def baton_figures(model: str, quantization: str | None, text: str, ctx: int, count: int) -> dict[str, float]:
-    ref = LLM(model, dtype="float32", progress=False)
+def baton_figures(model: str, ref_args: dict, test_args: dict, text: str, ctx: int, count: int) -> dict[str, float]:
+    ref = LLM(model, progress=False, **ref_args)
     batches = chunks(ref, text, ctx, count)
     base = scored_logprobs(ref, batches)
     del ref
-    quant = LLM(model, quantization=quantization, progress=False)
+    quant = LLM(model, progress=False, **test_args)
     test = scored_logprobs(quant, batches)
     tgt = targets(batches)
     kl = (base.exp() * (base - test)).sum(-1)
@@ -101,11 +104,20 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--quantization", default=None)
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="compare this KV dtype (fp8, bfloat16, ...) against float32 KV, both on the weights as shipped",
+    )
     ap.add_argument("--no-llama-cpp", action="store_true")
     args = ap.parse_args()
     text = Path(args.text).read_text()
-    rows = {"baton": baton_figures(args.model, args.quantization, text, args.ctx, args.chunks)}
-    if not args.no_llama_cpp and args.quantization is None:
+    if args.kv_cache_dtype:
+        ref_args, test_args = {}, {"kv_cache_dtype": args.kv_cache_dtype}
+    else:
+        ref_args, test_args = {"dtype": "float32"}, {"quantization": args.quantization}
+    rows = {"baton": baton_figures(args.model, ref_args, test_args, text, args.ctx, args.chunks)}
+    if not args.no_llama_cpp and args.quantization is None and args.kv_cache_dtype is None:
         rows["llama.cpp"] = llama_cpp_figures(args.model, Path(args.text), args.ctx, args.chunks)
     print(f"{args.model}, {Path(args.text).name}, {args.chunks} chunks of {args.ctx}, second halves scored")
     names = list(rows["baton"])

@@ -61,7 +61,7 @@ def run_imported(llm: LLM, ids: list[int], blob: bytes, params=GREEDY):
 def receiver_state(llm: LLM):
     e = llm.engine
     digest = xxhash.xxh64()
-    for t in e.storage.k + e.storage.v:
+    for t in e.storage.k + e.storage.v + e.storage.k_scale + e.storage.v_scale:
         digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     free = [e.kv.num_free_blocks(g.group_id) for g in e.kv_spec.groups]
     tables = {rid: [list(t) for t in ts] for rid, ts in e.kv.block_tables.items()}

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
+from tests.test_fp8_kv import torch_fp8_writes
 from tests.test_random_models import make_model
 
 TINY = dict(  # /tmp/specs/kimi_tiny.py, in checkpoint-style keys
@@ -110,3 +111,19 @@ def test_greedy_decode_and_prefix_cache(kimi):
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == _reference_greedy(ref, p, o.outputs[0].token_ids)
     assert llm.engine.kv.all_free()
+
+
+def test_fp8_latent_cache(kimi, monkeypatch):
+    """MLA latents in fp8, a scale per block: the logits of the float32 model whose cache holds
+    torch's e4m3 quantization of them, and a prefix-cache hit reads what its writer wrote."""
+    _, path = kimi
+    llm = LLM(str(path), progress=False, block_size=16, kv_cache_memory_bytes=64 << 20, kv_cache_dtype="fp8")
+    assert llm.engine.storage.k[0].dtype == torch.float8_e4m3fn
+    got = llm.prompt_logits({"prompt_token_ids": PROMPT})
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": PROMPT}], params)[0]
+    again = llm.generate([{"prompt_token_ids": PROMPT}], params)[0]
+    assert again.num_cached_tokens == 144 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.engine.kv.all_free()
+    torch_fp8_writes(monkeypatch)
+    assert torch.equal(got, _llm(path, 1024).prompt_logits({"prompt_token_ids": PROMPT}))

@@ -17,6 +17,7 @@ import torch
 
 import baton.engine.runner as runner
 import baton.ops as baton_ops
+from baton.kv.storage import LayerKV
 from baton.models.layers import PrefillSeq, _prefill_attention
 from baton.ops import (
     LIB,
@@ -426,7 +427,8 @@ def test_prefill_attention_over_tiles_matches_one_softmax(monkeypatch, q_start, 
     assert any(t.blind_rows is not None for t in tiles) == blind
     kv_slots = None if q_start == 0 else slots[kv_start:]
     p = PrefillSeq(0, num_queries, kv_slots, tiles)
-    out = _prefill_attention(q, k[q_start:], v[q_start:], k_cache, v_cache, p, 0.25)
+    kv_src = (k[q_start:], v[q_start:]) if kv_slots is None else None  # the chunk is the whole context
+    out = _prefill_attention(q, kv_src, LayerKV(k_cache, v_cache), p, 1, 0.25)
     ref = causal_reference(
         q, k[kv_start:], v[kv_start:], torch.arange(q_start, end), torch.arange(kv_start, end), window, 0.25
     )

@@ -60,7 +60,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(loaded.path, config.env.cache_dir, config.model.tokenizer)
         cache, sched = config.cache, config.scheduler
         mc = self.model_config
-        kv_dtype = getattr(torch, cache.kv_cache_dtype or config.model.torch_dtype_name)
+        kv_dtype = getattr(torch, cache.kv_torch_dtype_name(config.model.torch_dtype_name))
         memory = build_cache_memory(mc, cache, sched, kv_dtype)
         self.kv_spec, self.kv, self.storage, self.states = memory.spec, memory.kv, memory.storage, memory.states
         self.max_model_len = memory.max_model_len

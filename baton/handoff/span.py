@@ -10,6 +10,12 @@ Recurrent layers travel as `state` tensors: per state group and state tensor (`i
 of its layers after the whole prompt, [layers, *state shape] in float32, with `start` = n (the
 position the state is at). MLA layers' K holds their latent per token and their V is empty.
 
+An fp8 span (dtype float8_e4m3fn) carries, beside each K and V tensor, a `k_scale` / `v_scale` tensor
+over the same layers and positions with a head dim of 1 (float32): a value is code * scale. Scales per
+position rather than per block keep the span free of the exporter's block size; the importer
+dequantizes, then writes in its own KV dtype (an fp8 receiver quantizes again into its own blocks,
+exactly where scales are powers of two and block boundaries agree).
+
 A tensor may say, per layer, where its real K/V begin (`layer_starts`, one entry per entry of
 `layer_ids`, each >= `start`); positions before a layer's start are zeros and never read. A dense
 export needs it: a sliding layer no longer holds the positions that fell out of its window (after a
@@ -29,12 +35,18 @@ import torch
 from baton.models.model_config import TextModelConfig
 
 AXES = "LTHD"
-SPAN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPAN_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+SCALE_KINDS = {"k": "k_scale", "v": "v_scale"}  # an fp8 K or V tensor's scales
 
 
 @dataclass
 class SpanTensor:
-    kind: str  # "k", "v" or "state"
+    kind: str  # "k", "v", "k_scale", "v_scale" or "state"
     layer_ids: tuple[int, ...]
     start: int  # first position held; the tensor holds positions [start, start + T)
     data: torch.Tensor  # axes in the span's layout

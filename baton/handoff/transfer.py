@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from baton.handoff.span import AXES, KVSpan, SpanTensor, to_layout
+from baton.handoff.span import AXES, SCALE_KINDS, KVSpan, SpanTensor, to_layout
 from baton.handoff.validate import ImportPlan
 from baton.kv.manager import NULL_BLOCK, KVManager
 from baton.kv.state import StateStorage
-from baton.kv.storage import KVStorage
+from baton.kv.storage import FP8, KVStorage
 
 
 def _slots(kv: KVManager, request_id: str, group_id: int, positions: np.ndarray) -> torch.Tensor:
@@ -52,31 +52,59 @@ def export_span(
         for sg in kv.spec.state_groups:
             for j, t in enumerate(states.running[sg.group_id]):
                 span.tensors.append(SpanTensor("state", sg.layer_ids, n, t[:, slot].clone(), None, j))
+    bs = kv.block_size
     if fmt == "grouped":
         for g in kv.spec.groups:
             start = max(0, n - g.kind.window) if g.kind.is_sliding else 0
             slots = _slots(kv, request_id, g.group_id, np.arange(start, n))
-            for kind, data in zip("kv", storage.group_view(g.group_id)):  # [layers, slots, heads, dim]
-                held = to_layout(data[:, slots], AXES, span.layout).contiguous()
-                span.tensors.append(SpanTensor(kind, g.layer_ids, start, held))
+            for kind, data, scale in _group_tensors(storage, g.group_id):  # [layers, slots, heads, dim]
+                held = data[:, slots]
+                span.tensors.append(SpanTensor(kind, g.layer_ids, start, _out(held, storage, span.layout)))
+                if scale is not None:  # [layers, blocks, heads] -> per position [layers, T, heads, 1]
+                    per_position = scale[:, slots // bs, :, None]
+                    span.tensors.append(
+                        SpanTensor(SCALE_KINDS[kind], g.layer_ids, start, _out(per_position, storage, span.layout))
+                    )
         return span
     num_layers = fingerprint["num_layers"]
     layer_starts = [n] * num_layers  # layers without K/V (recurrent) hold nothing
-    dense = {}
-    for kind in "kv":
-        first = storage.group_view(0)["kv".index(kind)]
-        dense[kind] = torch.zeros((num_layers, n, *first.shape[2:]), dtype=storage.dtype)
+    dense: dict[str, torch.Tensor] = {}
+    for kind, data, scale in _group_tensors(storage, 0):
+        dense[kind] = torch.zeros((num_layers, n, *data.shape[2:]), dtype=data.dtype)
+        if scale is not None:
+            dense[SCALE_KINDS[kind]] = torch.zeros((num_layers, n, data.shape[2], 1))
     for g in kv.spec.groups:
         start = min(held_start(kv, request_id, g.group_id), n)
         slots = _slots(kv, request_id, g.group_id, np.arange(start, n))
-        for kind, data in zip("kv", storage.group_view(g.group_id)):
+        for kind, data, scale in _group_tensors(storage, g.group_id):
             dense[kind][list(g.layer_ids), start:] = data[:, slots]
+            if scale is not None:
+                dense[SCALE_KINDS[kind]][list(g.layer_ids), start:] = scale[:, slots // bs, :, None]
         for layer_id in g.layer_ids:
             layer_starts[layer_id] = start
-    for kind in "kv":
-        data = to_layout(dense[kind], AXES, span.layout).contiguous()
-        span.tensors.append(SpanTensor(kind, tuple(range(num_layers)), 0, data, tuple(layer_starts)))
+    for kind, data in dense.items():
+        span.tensors.append(
+            SpanTensor(kind, tuple(range(num_layers)), 0, _out(data, storage, span.layout), tuple(layer_starts))
+        )
     return span
+
+
+def _group_tensors(storage: KVStorage, group_id: int) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """("k", K, its scales) and ("v", V, its scales) of a group: [layers, slots, heads, dim], fp8 as
+    its bits (uint8: torch indexes those), scales [layers, blocks, heads] or None."""
+    k, v = storage.group_view(group_id)
+    if storage.dtype != FP8:
+        return [("k", k, None), ("v", v, None)]
+    return [
+        ("k", k.view(torch.uint8), storage.k_scale[group_id]),
+        ("v", v.view(torch.uint8), storage.v_scale[group_id]),
+    ]
+
+
+def _out(t: torch.Tensor, storage: KVStorage, layout: str) -> torch.Tensor:
+    """A [layers, T, heads, dim] tensor in the span's layout, fp8 bits as fp8 again."""
+    t = to_layout(t, AXES, layout).contiguous()
+    return t.view(FP8) if t.dtype == torch.uint8 else t
 
 
 def apply_import(kv: KVManager, storage: KVStorage, states: StateStorage, request_id: str, plan: ImportPlan) -> None:
@@ -87,7 +115,5 @@ def apply_import(kv: KVManager, storage: KVStorage, states: StateStorage, reques
         states.running[gid][j][:, kv.state_slots[request_id]].copy_(t)
     for w in plan.writes:
         slots = _slots(kv, request_id, w.group_id, w.positions)
-        k, v = storage.group_view(w.group_id)
-        for i in range(k.shape[0]):
-            k[i].index_copy_(0, slots, w.k[i])
-            v[i].index_copy_(0, slots, w.v[i])
+        for i, layer_id in enumerate(kv.spec.groups[w.group_id].layer_ids):
+            storage.layer_kv(layer_id).write(slots, w.k[i], w.v[i], kv.block_size, fresh=True)

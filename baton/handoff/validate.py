@@ -20,7 +20,7 @@ import torch
 
 from baton.handoff import wire
 from baton.handoff.errors import InvalidKVImport
-from baton.handoff.span import AXES, SPAN_DTYPES, to_layout
+from baton.handoff.span import AXES, SCALE_KINDS, SPAN_DTYPES, to_layout
 from baton.kv.manager import KVManager
 from baton.kv.prefix import needed_start, resumable_prefix
 from baton.kv.spec import STATE_DTYPE, KVGroup, KVSpec
@@ -32,7 +32,9 @@ __all__ = ["GroupWrite", "ImportPlan", "InvalidKVImport", "plan_import"]  # Inva
 class GroupWrite:
     group_id: int
     positions: np.ndarray  # positions written, ascending
-    k: torch.Tensor  # [layers in group, T, heads, dim] in the receiver's KV dtype
+    k: (
+        torch.Tensor
+    )  # [layers in group, T, heads, dim] in the receiver's KV dtype (float32 for fp8: quantized as written)
     v: torch.Tensor
 
 
@@ -158,7 +160,8 @@ def check_tensor(i: int, e: Any, n: int, layout: str, receiver: _Receiver, body:
     f = f"tensors[{i}]"
     _check(isinstance(e, dict), f, "an object", type(e).__name__)
     kind, layers = e.get("kind"), e.get("layer_ids")
-    _check(isinstance(kind, str) and kind in ("k", "v", "state"), f"{f}.kind", "'k', 'v' or 'state'", kind)
+    kinds = ("k", "v", "state", *SCALE_KINDS.values())
+    _check(isinstance(kind, str) and kind in kinds, f"{f}.kind", f"one of {', '.join(kinds)}", kind)
     layers = tuple(layers) if _ints(layers) and layers else None
     sets = receiver.state_sets if kind == "state" else receiver.kv_sets
     _check(
@@ -168,6 +171,8 @@ def check_tensor(i: int, e: Any, n: int, layout: str, receiver: _Receiver, body:
         e.get("layer_ids"),
     )
     dtype = e.get("dtype")
+    if kind in SCALE_KINDS.values():
+        _check(dtype == "float32", "dtype", f"float32 for {kind}", dtype)
     _check(isinstance(dtype, str) and dtype in SPAN_DTYPES, "dtype", f"one of {sorted(SPAN_DTYPES)}", dtype)
     start = e.get("start")
     if kind == "state":
@@ -183,7 +188,10 @@ def check_tensor(i: int, e: Any, n: int, layout: str, receiver: _Receiver, body:
             f"{len(layers)} positions in [{start}, {n}]",
             starts,
         )
-        want = {"L": len(layers), "T": n - start, **receiver.kv_geometry(kind, layers)}
+        base = kind[0]  # a scale tensor has its K or V tensor's geometry with a head dim of 1
+        want = {"L": len(layers), "T": n - start, **receiver.kv_geometry(base, layers)}
+        if kind != base:
+            want["D"] = 1
         expected_shape = [want[a] for a in layout]
     shape = e.get("shape")
     _check(_ints(shape) and shape == expected_shape, "shape", expected_shape, shape)
@@ -196,6 +204,21 @@ def check_tensor(i: int, e: Any, n: int, layout: str, receiver: _Receiver, body:
     digest = e.get("xxh64")
     _check(isinstance(digest, str) and wire.checksum(raw) == digest, "checksum", digest, wire.checksum(raw))
     return _Source(kind, layers, start, starts, dtype, shape, raw, e.get("index"))
+
+
+def _values(src: _Source, sources: dict, layout: str) -> torch.Tensor:
+    """A K or V tensor's values in the span's layout: fp8 codes times their scales as float32."""
+    t = wire.tensor_from_bytes(src.raw, SPAN_DTYPES[src.dtype], src.shape)
+    if t.dtype != torch.float8_e4m3fn:
+        return t
+    bits = t.view(torch.uint8)
+    nan = (bits & 0x7F) == 0x7F
+    _check(not bool(nan.any()), f"{src.kind}.values", "finite fp8 codes", f"{int(nan.sum())} NaN codes")
+    scale_src = sources[(SCALE_KINDS[src.kind], src.layer_ids, None)]
+    scale = wire.tensor_from_bytes(scale_src.raw, torch.float32, scale_src.shape)
+    ok = torch.isfinite(scale) & (scale >= 0)
+    _check(bool(ok.all()), scale_src.kind, "finite scales >= 0", f"{int((~ok).sum())} that are not")
+    return t.float() * scale  # the scale's head dim of 1 broadcasts, in any layout
 
 
 def plan_import(
@@ -220,6 +243,16 @@ def plan_import(
         key = (src.kind, src.layer_ids, src.index)
         _check(key not in sources, f"tensors[{i}].layer_ids", "each layer once per kind", f"{key[0]} {key[1]} twice")
         sources[key] = src
+    for (kind, layers, _), src in sources.items():
+        scale = sources.get((SCALE_KINDS.get(kind, ""), layers, None))
+        if kind in SCALE_KINDS and src.dtype == "float8_e4m3fn":
+            _check(scale is not None, SCALE_KINDS[kind], f"scales for the fp8 {kind} of layers {layers}", "none")
+            _check(scale.start == src.start, f"{SCALE_KINDS[kind]}.start", src.start, scale.start)
+        if kind in SCALE_KINDS.values():
+            of = sources.get((kind[0], layers, None))
+            _check(
+                of is not None and of.dtype == "float8_e4m3fn", kind, f"an fp8 {kind[0]} for layers {layers}", "none"
+            )
     picked: dict[tuple[int, str], _Source] = {}
     problems: list[InvalidKVImport] = []
 
@@ -265,10 +298,11 @@ def plan_import(
         out = {}
         for kind in ("k", "v"):
             src = picked[(g.group_id, kind)]
-            t = to_layout(wire.tensor_from_bytes(src.raw, SPAN_DTYPES[src.dtype], src.shape), layout, AXES)
+            t = to_layout(_values(src, sources, layout), layout, AXES)
             if src.layer_ids != g.layer_ids:  # dense: pick this group's layers
                 t = t[list(g.layer_ids)]
-            out[kind] = t[:, need - src.start :].to(kv_dtype).contiguous()  # only real positions
+            t = t[:, need - src.start :]  # only real positions
+            out[kind] = t.to(torch.float32 if kv_dtype == torch.float8_e4m3fn else kv_dtype).contiguous()
         writes.append(GroupWrite(g.group_id, np.arange(need, n), out["k"], out["v"]))
     state_writes = []
     for gid, j, src in states:
@@ -276,6 +310,6 @@ def plan_import(
         if src.layer_ids != spec.state_groups[gid].layer_ids:  # all recurrent layers: pick this group's
             t = t[[src.layer_ids.index(i) for i in spec.state_groups[gid].layer_ids]]
         state_writes.append((gid, j, t.to(STATE_DTYPE).contiguous()))
-    dtypes = sorted({s.dtype for s in sources.values() if s.kind != "state"})
+    dtypes = sorted({s.dtype for s in sources.values() if s.kind in SCALE_KINDS})
     tokens = list(header["prompt_token_ids"])
     return ImportPlan(tokens, header["first_token"], "+".join(dtypes), writes, state_writes)

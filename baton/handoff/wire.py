@@ -35,12 +35,18 @@ MAX_JSON_DEPTH = 8  # a real header nests 4 deep (header > fingerprint > rope > 
 MAX_JSON_CONTAINERS = 4096  # a real one has ~2 per model layer and ~4 per tensor
 _MAX_INT_DIGITS = 19  # every integer fits in an int64
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
-_NUMPY_VIEW = {torch.float32: np.float32, torch.bfloat16: np.uint16, torch.float16: np.float16}
+_NUMPY_VIEW = {
+    torch.float32: np.float32,
+    torch.bfloat16: np.uint16,
+    torch.float16: np.float16,
+    torch.float8_e4m3fn: np.uint8,
+}
+_BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}  # dtypes numpy lacks, as their bits
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     t = t.contiguous().cpu()
-    arr = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    arr = (t.view(_BITS[t.dtype]) if t.dtype in _BITS else t).numpy()
     return arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
@@ -170,7 +176,7 @@ def _no_constant(name: str) -> float:
 def tensor_from_bytes(raw: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     arr = np.frombuffer(raw, dtype=np.dtype(_NUMPY_VIEW[dtype]).newbyteorder("<")).reshape(shape)
     t = torch.from_numpy(arr.astype(arr.dtype.newbyteorder("="), copy=True))
-    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+    return t.view(dtype) if dtype in _BITS else t
 
 
 def build_span(header: dict, tensors: list[torch.Tensor]) -> KVSpan:

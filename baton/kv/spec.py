@@ -81,7 +81,10 @@ class KVGroup:
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return len(self.layer_ids) * block_size * self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
+        per_layer = block_size * self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
+        if dtype == torch.float8_e4m3fn:  # a float32 K and V scale per KV head
+            per_layer += 2 * self.num_kv_heads * 4
+        return len(self.layer_ids) * per_layer
 
     def blocks_per_request(self, num_tokens: int, block_size: int, chunk: int) -> int:
         """Most blocks one request of `num_tokens` tokens can hold, prefilled `chunk` tokens at a time."""

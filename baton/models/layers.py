@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.kv.storage import LayerKV
 from baton.models.gguf_blocks import BlockTensor
 from baton.models.model_config import RopeConfig
 from baton.ops import (
@@ -262,24 +263,23 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [slots, Hkv, D]
-    v_cache: torch.Tensor,
+    cache: LayerKV,
     meta: GroupAttnMetadata,
     scale: float,
 ) -> torch.Tensor:
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    cache.write(meta.slot_mapping, k, v, meta.block_size)
     nd = meta.num_decodes
     if nd:  # read in place from the blocks (baton/ops/paged_attention.cpp)
         decoded = paged_decode_attention(
             q[:nd],
-            k_cache,
-            v_cache,
+            cache.k,
+            cache.v,
             meta.decode_block_ids,
             meta.decode_kv_offsets,
             meta.decode_kv_lens,
             meta.block_size,
             scale,
+            cache.scales,
         )
         if not meta.prefills:
             return decoded
@@ -287,42 +287,44 @@ def paged_attention(
     if nd:
         out[:nd] = decoded
     for p in meta.prefills:
-        out[p.q_start : p.q_end] = _prefill_attention(q[p.q_start : p.q_end], k, v, k_cache, v_cache, p, scale)
+        chunk = slice(p.q_start, p.q_end)
+        kv_src = None
+        if p.kv_slots is None:  # the chunk is its own context: read what the cache holds (as it rounds)
+            slots = meta.slot_mapping[chunk]
+            kv_src = cache.read_k(slots, meta.block_size, q.dtype), cache.read_v(slots, meta.block_size, q.dtype)
+        out[chunk] = _prefill_attention(q[chunk], kv_src, cache, p, meta.block_size, scale)
     return out
 
 
 def _prefill_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv_src: tuple[torch.Tensor, torch.Tensor] | None,  # the chunk's own K/V when it is the whole context
+    cache: LayerKV,
     p: PrefillSeq,
+    block_size: int,
     scale: float,
 ) -> torch.Tensor:
     """A chunk's attention, one flash call per KV tile merged by log-sum-exp: the K/V copied and the
     masks built for one call are bounded by the tile size, not by how long the context is."""
-    if p.kv_slots is None:  # read what the cache holds, so a narrower KV dtype rounds alike
-        k_src = k[p.q_start : p.q_end].to(k_cache.dtype)
-        v_src = v[p.q_start : p.q_end].to(v_cache.dtype)
-        if not p.tiles:  # plain causal over the chunk itself
-            # 4-D inputs: with 3-D ones torch's CPU dispatch skips the flash kernel for its math path
-            return F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                k_src.to(q.dtype).transpose(0, 1)[None],
-                v_src.to(q.dtype).transpose(0, 1)[None],
-                is_causal=True,
-                scale=scale,
-                enable_gqa=q.shape[1] != k.shape[1],
-            )[0].transpose(0, 1)
-    group = q.shape[1] // k.shape[1]
+    group = q.shape[1] // cache.k.shape[1]
+    if kv_src is not None and not p.tiles:  # plain causal over the chunk itself
+        # 4-D inputs: with 3-D ones torch's CPU dispatch skips the flash kernel for its math path
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            kv_src[0].transpose(0, 1)[None],
+            kv_src[1].transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=group != 1,
+        )[0].transpose(0, 1)
 
     def load(t: KVTile) -> tuple[torch.Tensor, torch.Tensor]:
-        if p.kv_slots is None:
-            kt, vt = k_src[t.lo : t.hi], v_src[t.lo : t.hi]
+        if kv_src is not None:
+            kt, vt = kv_src[0][t.lo : t.hi], kv_src[1][t.lo : t.hi]
         else:
-            kt, vt = k_cache[p.kv_slots[t.lo : t.hi]], v_cache[p.kv_slots[t.lo : t.hi]]
-        heads = lambda x: x.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)[None]  # noqa: E731
+            slots = p.kv_slots[t.lo : t.hi]
+            kt, vt = cache.read_k(slots, block_size, q.dtype), cache.read_v(slots, block_size, q.dtype)
+        heads = lambda x: x.repeat_interleave(group, dim=1).transpose(0, 1)[None]  # noqa: E731
         return heads(kt), heads(vt)
 
     return tiled_attention(q.transpose(0, 1)[None], p.tiles, load, scale)[0].transpose(0, 1)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.state import StateStorage
-from baton.kv.storage import KVStorage
+from baton.kv.storage import KVStorage, LayerKV
 from baton.models.fused_decode import FusedDecoder
 from baton.models.gguf_blocks import BlockTensor, concat_rows
 from baton.models.layers import (
@@ -36,9 +36,8 @@ class ForwardContext:
     states: StateStorage | None = None  # recurrent layers' running slots and checkpoints
     state_meta: StateMetadata | None = None
 
-    def for_layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, GroupAttnMetadata]:
-        k_cache, v_cache = self.storage.layer(layer_id)
-        return k_cache, v_cache, self.groups[self.storage.spec.layer_to_group[layer_id][0]]
+    def for_layer(self, layer_id: int) -> tuple[LayerKV, GroupAttnMetadata]:
+        return self.storage.layer_kv(layer_id), self.groups[self.storage.spec.layer_to_group[layer_id][0]]
 
     @property
     def decode_only(self) -> bool:
@@ -73,8 +72,8 @@ class Attention(nn.Module):
             self.k_norm.heads_(qk[:, self.num_heads :])
         qk = apply_rotary(qk, *rope)  # q and k heads in one pass
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        k_cache, v_cache, meta = ctx.for_layer(self.layer_id)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        cache, meta = ctx.for_layer(self.layer_id)
+        out = paged_attention(q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(n, -1))
 
 

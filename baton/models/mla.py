@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.kv.storage import LayerKV
 from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq, RMSNorm, tiled_attention
 from baton.models.model_config import TextModelConfig
 
@@ -55,17 +56,22 @@ class MLAttention(nn.Module):
         q = q.view(n, self.num_heads, self.dn + self.dr)
         ckv = self.kv_a_proj_with_mqa(x)
         latent = torch.cat((self.kv_a_layernorm(ckv[:, : self.rank].contiguous()), ckv[:, self.rank :]), dim=-1)
-        k_cache, _, meta = ctx.for_layer(self.layer_id)  # k_cache [slots, 1, R + dr]; no V
-        k_cache.index_copy_(0, meta.slot_mapping, latent[:, None].to(k_cache.dtype))
+        cache, meta = ctx.for_layer(self.layer_id)  # K: [slots, 1, R + dr]; no V
+        cache.write(meta.slot_mapping, latent[:, None], None, meta.block_size)
         out = torch.empty((n, self.num_heads, self.dv), dtype=x.dtype)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache[:, 0], meta)
+            out[:nd] = self._decode(q[:nd], cache, meta)
         for p in meta.prefills:
-            out[p.q_start : p.q_end] = self._prefill(q[p.q_start : p.q_end], latent, k_cache[:, 0], p)
+            chunk = slice(p.q_start, p.q_end)
+            out[chunk] = self._prefill(q[chunk], meta.slot_mapping[chunk], cache, p, meta.block_size)
         return self.o_proj(out.reshape(n, -1))
 
-    def _decode(self, q: torch.Tensor, cache: torch.Tensor, meta: GroupAttnMetadata) -> torch.Tensor:
+    def _latents(self, cache: LayerKV, slots: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """Cached latents at `slots` (any shape) as [*slots.shape, R + dr]."""
+        return cache.read_k(slots.reshape(-1), block_size, dtype).view(*slots.shape, -1)
+
+    def _decode(self, q: torch.Tensor, cache: LayerKV, meta: GroupAttnMetadata) -> torch.Tensor:
         """Absorbed attention of single-token queries q [nd, H, dn + dr] over their cached latents."""
         bs, blocks = meta.block_size, meta.decode_block_ids
         lens, longest = meta.decode_kv_lens, int(meta.decode_kv_lens.max())
@@ -73,7 +79,7 @@ class MLAttention(nn.Module):
         valid = torch.arange(longest)[None, :] < lens[:, None]
         block = blocks.gather(1, (pos // bs).clamp(max=blocks.shape[1] - 1))
         slots = torch.where(valid, block * bs + pos % bs, 0)
-        rows = cache[slots].to(q.dtype)  # [nd, L, R + dr]
+        rows = self._latents(cache, slots, bs, q.dtype)  # [nd, L, R + dr]
         w_uk, w_uv = self._absorbed()
         q_lat = torch.einsum("nhd,hdr->nhr", q[..., : self.dn], w_uk.to(q.dtype))
         scores = torch.einsum("nhc,nlc->nhl", torch.cat((q_lat, q[..., self.dn :]), dim=-1), rows) * self.scale
@@ -89,13 +95,21 @@ class MLAttention(nn.Module):
         k = torch.cat((kv[..., : self.dn], latents[:, None, self.rank :].expand(t, h, self.dr)), dim=-1)
         return _pad(k, width), _pad(kv[..., self.dn :], width)
 
-    def _prefill(self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, p: PrefillSeq) -> torch.Tensor:
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        slots: torch.Tensor,
+        cache: LayerKV,
+        p: PrefillSeq,
+        block_size: int,
+    ) -> torch.Tensor:
         """A chunk's attention over its context, tile by tile merged by log-sum-exp (as layers'
-        _prefill_attention): the latents are expanded one tile at a time."""
+        _prefill_attention): the latents are expanded one tile at a time. `slots`: where the chunk's
+        own latents were written."""
         width = max(self.dn + self.dr, self.dv)
         qh = _pad(q, width).transpose(0, 1)[None]  # [1, H, q, width]
-        if p.kv_slots is None:  # the chunk is the whole context: read what the cache holds
-            src = latent[p.q_start : p.q_end].to(cache.dtype)
+        if p.kv_slots is None:  # the chunk is the whole context: what the cache holds, as it rounds
+            src = self._latents(cache, slots, block_size, q.dtype)
             if not p.tiles:
                 k, v = self._expand(src, q.dtype, width)
                 out = F.scaled_dot_product_attention(
@@ -104,7 +118,11 @@ class MLAttention(nn.Module):
                 return out[0].transpose(0, 1)[..., : self.dv]
 
         def load(t: KVTile) -> tuple[torch.Tensor, torch.Tensor]:
-            rows = src[t.lo : t.hi] if p.kv_slots is None else cache[p.kv_slots[t.lo : t.hi]]
+            rows = (
+                src[t.lo : t.hi]
+                if p.kv_slots is None
+                else self._latents(cache, p.kv_slots[t.lo : t.hi], block_size, q.dtype)
+            )
             k, v = self._expand(rows, q.dtype, width)
             return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
 

@@ -135,8 +135,8 @@ class NoPEAttention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, d)
         k = self.k_proj(x).view(n, self.num_kv_heads, d)
         v = self.v_proj(x).view(n, self.num_kv_heads, d)
-        k_cache, v_cache, meta = ctx.for_layer(self.layer_id)
-        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(n, -1))
+        cache, meta = ctx.for_layer(self.layer_id)
+        return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale).reshape(n, -1))
 
 
 class Relu2MLP(nn.Module):

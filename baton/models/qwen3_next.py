@@ -122,8 +122,8 @@ class GatedAttention(nn.Module):
         self.q_norm.heads_(q)
         self.k_norm.heads_(k)
         q, k = partial_rotary(q, *rope), partial_rotary(k, *rope)
-        k_cache, v_cache, meta = ctx.for_layer(self.layer_id)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        cache, meta = ctx.for_layer(self.layer_id)
+        out = paged_attention(q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
 
 

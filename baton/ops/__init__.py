@@ -162,10 +162,29 @@ def paged_decode_attention(
     kv_len: torch.Tensor,
     block_size: int,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """[seqs, heads, dim] attention of one query token per sequence over positions
-    [kv_offset, kv_offset + kv_len) of the blocks its block_table row lists, read in place."""
-    return ops().paged_decode_attention(q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale)
+    [kv_offset, kv_offset + kv_len) of the blocks its block_table row lists, read in place.
+    An fp8 cache comes with its K and V scales, [blocks, kv heads] each."""
+    k_scale, v_scale = kv_scales or (None, None)
+    return ops().paged_decode_attention(
+        q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale, k_scale, v_scale
+    )
+
+
+def write_kv_fp8(
+    x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, block_size: int, fresh: bool
+) -> None:
+    """x [tokens, heads, dim] into an fp8 cache [slots, heads, dim] whose scales [blocks, heads] are
+    powers of two: a run starting a block (or any run, when `fresh`) sets the block's scale, a later
+    run raises it if needed and rescales the rows already there (baton/ops/fp8_kv.h)."""
+    ops().write_kv_fp8(x, cache, scales, slots, block_size, fresh)
+
+
+def read_kv_fp8(cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The rows of an fp8 cache at `slots`, as float32 [n, heads, dim]."""
+    return ops().read_kv_fp8(cache, scales, slots, block_size)
 
 
 def panel_lanes() -> int:

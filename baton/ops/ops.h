@@ -3,12 +3,15 @@
 // decode.cpp's fused decode step.
 #include <torch/types.h>
 
+#include "fp8_kv.h"
 #include "quant_linear.h"
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_table,
                                      const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
-                                     int64_t block_size, double scale);
+                                     int64_t block_size, double scale,
+                                     const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
+                                     const c10::optional<torch::Tensor>& v_scale = c10::nullopt);
 // Throws unless block_size >= 1 and each of the num_seqs contexts [kv_offset[s], kv_offset[s] + kv_len[s])
 // is non-empty, inside its block_table row, and reads only block ids in [0, num_blocks).
 void check_decode_context(const torch::Tensor& block_table, const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
@@ -18,7 +21,9 @@ void check_decode_context(const torch::Tensor& block_table, const torch::Tensor&
 torch::Tensor paged_decode_attention_checked_context(const torch::Tensor& q, const torch::Tensor& k_cache,
                                                      const torch::Tensor& v_cache, const torch::Tensor& block_table,
                                                      const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
-                                                     int64_t block_size, double scale);
+                                                     int64_t block_size, double scale,
+                                                     const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
+                                                     const c10::optional<torch::Tensor>& v_scale = c10::nullopt);
 int64_t panel_lanes();
 torch::Tensor pack_weight_panels(const torch::Tensor& weight);
 // x [rows, K] @ W^T (+ bias) where `packed` is float32 panels (pack_weight_panels) or uint8 GGUF

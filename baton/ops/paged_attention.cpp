@@ -2,6 +2,7 @@
 // block by block with an online softmax, so no gathered copy of the context and no mask.
 // The query heads of a kv head (GQA) share every K/V row read.
 #include "cpu_vec.h"
+#include "fp8_kv.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -11,6 +12,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -57,11 +59,15 @@ inline void prefetch_rows(const cache_t* k, const cache_t* v, int64_t k_stride, 
   }
 }
 
-// A cache row as float: the row itself for a float32 cache, else converted into buf.
+// A cache row as float: the row itself for a float32 cache, else converted into buf (an fp8
+// cache's codes, uint8, times the scale of their block and head).
 template <typename cache_t>
-inline const float* as_float(const cache_t* row, float* buf, int64_t d) {
+inline const float* as_float(const cache_t* row, float* buf, int64_t d, float scale) {
   if constexpr (std::is_same_v<cache_t, float>) {
     return row;
+  } else if constexpr (std::is_same_v<cache_t, uint8_t>) {
+    fp8_to_float(row, scale, buf, d);
+    return buf;
   } else {
     for (int64_t i = 0; i < d; ++i) buf[i] = static_cast<float>(row[i]);
     return buf;
@@ -121,14 +127,14 @@ template <typename scalar_t, typename cache_t, int64_t NV>
 void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, const torch::Tensor& block_table,
                            const torch::Tensor& kv_offset, const torch::Tensor& kv_len, int64_t block_size,
-                           double scale) {
+                           double scale, const float* k_scales, const float* v_scales) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_table.size(1);
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const cache_t* k_ptr = k_cache.data_ptr<cache_t>();
-  const cache_t* v_ptr = v_cache.data_ptr<cache_t>();
+  const cache_t* k_ptr = static_cast<const cache_t*>(k_cache.data_ptr());
+  const cache_t* v_ptr = static_cast<const cache_t*>(v_cache.data_ptr());
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* offsets = kv_offset.data_ptr<int64_t>();
   const int64_t* lens = kv_len.data_ptr<int64_t>();
@@ -184,7 +190,7 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
       const int64_t first = seq_first + (part - first_part[seq]) * kPartition;
       const int64_t last = std::min(first + kPartition, seq_last);
       for (int64_t b = first / block_size; b * block_size < last; ++b) {
-        const int64_t base = table[seq * max_blocks + b] * block_size;
+        const int64_t block = table[seq * max_blocks + b], base = block * block_size;
         const int64_t lo = std::max(first - b * block_size, int64_t(0));
         const int64_t hi = std::min(last - b * block_size, block_size);
         // the blocks kPrefetchBlocks ahead (at the first block, every one up to there)
@@ -196,7 +202,8 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
         }
         for (int64_t h = 0; h < span_heads; ++h) {
           for (int64_t p = lo; p < hi; ++p)
-            rows[p - lo] = as_float(k_ptr + (base + p) * ks0 + (h0 + h) * ks1, &rows_buf[(p - lo) * head_dim], head_dim);
+            rows[p - lo] = as_float(k_ptr + (base + p) * ks0 + (h0 + h) * ks1, &rows_buf[(p - lo) * head_dim], head_dim,
+                                    k_scales ? k_scales[block * num_kv_heads + h0 + h] : 1.f);
           block_scores<NV>(&qf[h * group * head_dim], group, rows.data(), hi - lo, &scores[h * group * block_size + lo],
                            block_size, head_dim);
         }
@@ -210,7 +217,8 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
         }
         for (int64_t h = 0; h < span_heads; ++h) {
           for (int64_t p = lo; p < hi; ++p)
-            rows[p - lo] = as_float(v_ptr + (base + p) * vs0 + (h0 + h) * vs1, &rows_buf[(p - lo) * head_dim], head_dim);
+            rows[p - lo] = as_float(v_ptr + (base + p) * vs0 + (h0 + h) * vs1, &rows_buf[(p - lo) * head_dim], head_dim,
+                                    v_scales ? v_scales[block * num_kv_heads + h0 + h] : 1.f);
           block_values<NV>(&acc[h * group * head_dim], &correction[h * group], group,
                            &scores[h * group * block_size + lo], block_size, rows.data(), hi - lo, head_dim);
         }
@@ -241,18 +249,19 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
 template <typename scalar_t, typename cache_t>
 void decode_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                       const torch::Tensor& v_cache, const torch::Tensor& block_table, const torch::Tensor& kv_offset,
-                      const torch::Tensor& kv_len, int64_t block_size, double scale) {
+                      const torch::Tensor& kv_len, int64_t block_size, double scale, const float* k_scales,
+                      const float* v_scales) {
   const int64_t d = q.size(2), vectors = d % Vec::size() == 0 ? d / Vec::size() : 0;
   switch (vectors) {
 #define BATON_HEAD_DIM(NV)                                                                                      \
   case NV:                                                                                                      \
     return decode_attention_impl<scalar_t, cache_t, NV>(out, q, k_cache, v_cache, block_table, kv_offset, kv_len, \
-                                                        block_size, scale);
+                                                        block_size, scale, k_scales, v_scales);
     BATON_HEAD_DIM(2) BATON_HEAD_DIM(4) BATON_HEAD_DIM(8) BATON_HEAD_DIM(16)
 #undef BATON_HEAD_DIM
     default:
       return decode_attention_impl<scalar_t, cache_t, 0>(out, q, k_cache, v_cache, block_table, kv_offset, kv_len,
-                                                         block_size, scale);
+                                                         block_size, scale, k_scales, v_scales);
   }
 }
 
@@ -268,14 +277,37 @@ void check_decode_inputs(const torch::Tensor& q, const torch::Tensor& k_cache, c
               "head shapes do not match: q ", q.sizes(), ", k_cache ", k_cache.sizes());
 }
 
+// An fp8 cache's scales, checked ([blocks, kv heads] float32 each); nullptr for other caches.
+std::pair<const float*, const float*> kv_scales(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                                const c10::optional<torch::Tensor>& k_scale,
+                                                const c10::optional<torch::Tensor>& v_scale, int64_t block_size) {
+  if (k_cache.scalar_type() != at::kFloat8_e4m3fn) {
+    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "KV scales go with an fp8 cache, not ",
+                k_cache.scalar_type());
+    return {nullptr, nullptr};
+  }
+  TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "an fp8 KV cache needs its k and v scales");
+  check_kv_scales(k_cache, *k_scale, block_size);
+  check_kv_scales(v_cache, *v_scale, block_size);
+  return {k_scale->data_ptr<float>(), v_scale->data_ptr<float>()};
+}
+
 torch::Tensor run_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                    const torch::Tensor& block_table, const torch::Tensor& kv_offset,
-                                   const torch::Tensor& kv_len, int64_t block_size, double scale) {
+                                   const torch::Tensor& kv_len, int64_t block_size, double scale,
+                                   const c10::optional<torch::Tensor>& k_scale,
+                                   const c10::optional<torch::Tensor>& v_scale) {
+  const auto [ks, vs] = kv_scales(k_cache, v_cache, k_scale, v_scale, block_size);
   auto out = torch::empty_like(q, at::MemoryFormat::Contiguous);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_q", [&] {
     using q_t = scalar_t;
+    if (ks != nullptr) {
+      decode_attention<q_t, uint8_t>(out, q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale, ks, vs);
+      return;
+    }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode_attention_kv", [&] {
-      decode_attention<q_t, scalar_t>(out, q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale);
+      decode_attention<q_t, scalar_t>(out, q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale,
+                                      nullptr, nullptr);
     });
   });
   return out;
@@ -326,19 +358,22 @@ void check_decode_context(const torch::Tensor& block_table, const torch::Tensor&
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_table,
                                      const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
-                                     int64_t block_size, double scale) {
+                                     int64_t block_size, double scale, const c10::optional<torch::Tensor>& k_scale,
+                                     const c10::optional<torch::Tensor>& v_scale) {
   check_decode_inputs(q, k_cache, v_cache);
   TORCH_CHECK(block_size >= 1, "block_size must be at least 1, got ", block_size);
   check_decode_context(block_table, kv_offset, kv_len, q.size(0), block_size, k_cache.size(0) / block_size);
-  return run_decode_attention(q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale);
+  return run_decode_attention(q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale, k_scale, v_scale);
 }
 
 torch::Tensor paged_decode_attention_checked_context(const torch::Tensor& q, const torch::Tensor& k_cache,
                                                      const torch::Tensor& v_cache, const torch::Tensor& block_table,
                                                      const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
-                                                     int64_t block_size, double scale) {
+                                                     int64_t block_size, double scale,
+                                                     const c10::optional<torch::Tensor>& k_scale,
+                                                     const c10::optional<torch::Tensor>& v_scale) {
   check_decode_inputs(q, k_cache, v_cache);
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0), "block_table ", block_table.sizes(),
               " does not hold a row per sequence of q ", q.sizes());
-  return run_decode_attention(q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale);
+  return run_decode_attention(q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale, k_scale, v_scale);
 }
