@@ -1,7 +1,7 @@
 """Where the milliseconds of one decode step go, offline, at a given concurrency.
 
     python bench/profile_decode.py [--model smollm2-135m] [--concurrency 8] [--steps 40] [--modules]
-        [--dtype auto|float32] [--quantization q8_0|q4_k|...]
+        [--dtype auto|float32] [--quantization q8_0|q4_k|...] [--kv-cache-dtype fp8]
 
 `concurrency` requests with random 128-token prompts are prefilled, then `--steps` decode
 steps are timed. Each part of `LLMEngine.step` is wrapped with a timer: scheduling, building
@@ -52,9 +52,15 @@ def main() -> None:
     ap.add_argument("--modules", action="store_true", help="profile the module-by-module path")
     ap.add_argument("--dtype", default="auto", help="auto: a GGUF file's matrices as shipped; float32: dequantized")
     ap.add_argument("--quantization", default=None, help="quantize a float checkpoint at load (q8_0, q4_k, ...)")
+    ap.add_argument("--kv-cache-dtype", default=None, help="float32 (default), bfloat16, float16 or fp8")
     args = ap.parse_args()
     llm = LLM(
-        args.model, progress=False, fused_decode=not args.modules, dtype=args.dtype, quantization=args.quantization
+        args.model,
+        progress=False,
+        fused_decode=not args.modules,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = llm.engine
     runner, model = engine.runner, engine.model

@@ -29,10 +29,10 @@ def test_batch_invariance(model, request):
     assert chunked.engine.kv.all_free()
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("model", ["smollm2", "gemma3", "smollm2_fp8"])
 def test_fused_decode_step_gives_the_module_path_bits(model, request, monkeypatch):
     """Decode-only steps run as one C++ call (baton/models/fused_decode.py); steps with a prefill
-    run module by module. A decode row must come out the same either way."""
+    run module by module. A decode row must come out the same either way (on an fp8 cache too)."""
     llm: LLM = request.getfixturevalue(model)
     prompts = [{"prompt_token_ids": llm.get_tokenizer().encode(p)} for p in PROMPTS[:3]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -51,6 +51,11 @@ def test_fused_decode_step_gives_the_module_path_bits(model, request, monkeypatc
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert {t: e.logprob for t, e in x.items()} == {t: e.logprob for t, e in y.items()}
     assert llm.engine.kv.all_free()
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp8(smollm2) -> LLM:
+    return LLM("smollm2-135m", progress=False, kv_cache_dtype="fp8")
 
 
 def test_warm_prefix_cache_gives_same_tokens(smollm2):

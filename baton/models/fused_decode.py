@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.kv.storage import KVStorage
+from baton.kv.storage import FP8, KVStorage
 from baton.models.layers import GroupAttnMetadata, PackedLinear
 from baton.ops import ops
 
@@ -30,7 +30,7 @@ class FusedDecoder:
         )
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            k_cache, v_cache = storage.layer(i)
+            cache = storage.layer_kv(i)
             self._decoder.add_layer(
                 input_norm=layer.input_layernorm.weight,
                 post_attn_norm=layer.post_attention_layernorm.weight,
@@ -44,16 +44,18 @@ class FusedDecoder:
                 o_bias=attn.o_proj.bias,
                 gate_up=mlp.gate_up_proj.packed,
                 down=mlp.down_proj.packed,
-                k_cache=k_cache,
-                v_cache=v_cache,
+                k_cache=cache.k,
+                v_cache=cache.v,
+                k_scale=cache.k_scale,
+                v_scale=cache.v_scale,
                 rope=self.kinds.index(attn.kind),
                 group=storage.spec.layer_to_group[i][0],
             )
 
     @staticmethod
     def supports(model: torch.nn.Module, storage: KVStorage) -> bool:
-        """Packed float32 linears and a float32 KV cache; otherwise the module path runs."""
-        return storage.dtype == torch.float32 and all(
+        """Packed float32 linears and a float32 or fp8 KV cache; otherwise the module path runs."""
+        return storage.dtype in (torch.float32, FP8) and all(
             isinstance(getattr(getattr(layer, "self_attn", None), "qkv_proj", None), PackedLinear)
             for layer in model.layers
         )

@@ -27,6 +27,7 @@ struct DecodeLayer {
   torch::Tensor qkv, o, gate_up, down;      // packed panels (pack_weight_panels)
   c10::optional<torch::Tensor> qkv_bias, o_bias;
   torch::Tensor k_cache, v_cache;  // [slots, kv heads, head dim] views of this layer's KV
+  c10::optional<torch::Tensor> k_scale, v_scale;  // an fp8 cache's scales, [blocks, kv heads]
   int64_t rope = 0, group = 0;     // which cos/sin pair and which KV group's metadata it reads
 };
 
@@ -83,8 +84,12 @@ class FusedDecoder {
                  c10::optional<torch::Tensor> post_ff_norm, c10::optional<torch::Tensor> q_norm,
                  c10::optional<torch::Tensor> k_norm, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
                  torch::Tensor o, c10::optional<torch::Tensor> o_bias, torch::Tensor gate_up, torch::Tensor down,
-                 torch::Tensor k_cache, torch::Tensor v_cache, int64_t rope, int64_t group) {
-    TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat, "KV cache must be float32");
+                 torch::Tensor k_cache, torch::Tensor v_cache, c10::optional<torch::Tensor> k_scale,
+                 c10::optional<torch::Tensor> v_scale, int64_t rope, int64_t group) {
+    const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+    TORCH_CHECK((k_cache.scalar_type() == at::kFloat || fp8) && v_cache.scalar_type() == k_cache.scalar_type(),
+                "KV cache must be float32 or fp8 (float8_e4m3fn)");
+    TORCH_CHECK(k_scale.has_value() == fp8 && v_scale.has_value() == fp8, "an fp8 KV cache, and only one, has scales");
     TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(), "KV cache must be on the CPU");
     TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == num_kv_heads_ && k_cache.size(2) == head_dim_ &&
                     k_cache.stride(2) == 1 && k_cache.sizes() == v_cache.sizes(),
@@ -111,6 +116,8 @@ class FusedDecoder {
     l.down = std::move(down);
     l.k_cache = std::move(k_cache);
     l.v_cache = std::move(v_cache);
+    l.k_scale = std::move(k_scale);
+    l.v_scale = std::move(v_scale);
     l.rope = rope;
     l.group = group;
     layers_.push_back(std::move(l));
@@ -145,10 +152,16 @@ class FusedDecoder {
       }
       rotary_(qk, cos[l.rope], sin[l.rope]);
       watch.lap(kNorms);
-      write_kv(k, l.k_cache, slot_mapping[l.group]);
-      write_kv(v, l.v_cache, slot_mapping[l.group]);
-      const torch::Tensor attn = paged_decode_attention_checked_context(
-          q, l.k_cache, l.v_cache, block_ids[l.group], kv_offsets[l.group], kv_lens[l.group], block_size, scale_);
+      if (l.k_scale.has_value()) {
+        write_kv_fp8(k, l.k_cache, *l.k_scale, slot_mapping[l.group], block_size, false);
+        write_kv_fp8(v, l.v_cache, *l.v_scale, slot_mapping[l.group], block_size, false);
+      } else {
+        write_kv(k, l.k_cache, slot_mapping[l.group]);
+        write_kv(v, l.v_cache, slot_mapping[l.group]);
+      }
+      const torch::Tensor attn =
+          paged_decode_attention_checked_context(q, l.k_cache, l.v_cache, block_ids[l.group], kv_offsets[l.group],
+                                                 kv_lens[l.group], block_size, scale_, l.k_scale, l.v_scale);
       watch.lap(kAttention);
       const torch::Tensor o = packed_linear(attn.view({n, q_size}), l.o, l.o_bias, hidden_);
       watch.lap(kLinears);
@@ -206,9 +219,15 @@ class FusedDecoder {
     const size_t groups = slot_mapping.size();
     TORCH_CHECK(block_ids.size() == groups && kv_offsets.size() == groups && kv_lens.size() == groups,
                 "one block table, offset and length per KV group");
-    for (size_t i = 0; i < layers_.size(); ++i)
-      TORCH_CHECK(layers_[i].rope < static_cast<int64_t>(cos.size()) && layers_[i].group < static_cast<int64_t>(groups),
-                  "layer ", i, " reads a rope kind or KV group that was not given");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const DecodeLayer& l = layers_[i];
+      TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()) && l.group < static_cast<int64_t>(groups), "layer ", i,
+                  " reads a rope kind or KV group that was not given");
+      if (l.k_scale.has_value()) {
+        check_kv_scales(l.k_cache, *l.k_scale, block_size);
+        check_kv_scales(l.v_cache, *l.v_scale, block_size);
+      }
+    }
     for (size_t g = 0; g < std::min(groups, group_slots_.size()); ++g) {
       if (group_slots_[g] == std::numeric_limits<int64_t>::max()) continue;  // no layer reads it
       const torch::Tensor& slots = slot_mapping[g];
@@ -248,7 +267,8 @@ void bind_fused_decoder(pybind11::module_& m) {
       .def("add_layer", &FusedDecoder::add_layer, py::arg("input_norm"), py::arg("post_attn_norm"),
            py::arg("pre_ff_norm"), py::arg("post_ff_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
            py::arg("qkv_bias"), py::arg("o"), py::arg("o_bias"), py::arg("gate_up"), py::arg("down"),
-           py::arg("k_cache"), py::arg("v_cache"), py::arg("rope"), py::arg("group"), release())
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("rope"),
+           py::arg("group"), release())
       .def("forward", &FusedDecoder::forward, release())
       .def("set_profiling", &FusedDecoder::set_profiling, release())
       .def("profile", &FusedDecoder::profile, release());
