@@ -84,8 +84,8 @@ class FusedDecoder {
                  c10::optional<torch::Tensor> post_ff_norm, c10::optional<torch::Tensor> q_norm,
                  c10::optional<torch::Tensor> k_norm, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
                  torch::Tensor o, c10::optional<torch::Tensor> o_bias, torch::Tensor gate_up, torch::Tensor down,
-                 torch::Tensor k_cache, torch::Tensor v_cache, c10::optional<torch::Tensor> k_scale,
-                 c10::optional<torch::Tensor> v_scale, int64_t rope, int64_t group) {
+                 torch::Tensor k_cache, torch::Tensor v_cache, int64_t rope, int64_t group,
+                 c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
     const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
     TORCH_CHECK((k_cache.scalar_type() == at::kFloat || fp8) && v_cache.scalar_type() == k_cache.scalar_type(),
                 "KV cache must be float32 or fp8 (float8_e4m3fn)");
@@ -267,8 +267,8 @@ void bind_fused_decoder(pybind11::module_& m) {
       .def("add_layer", &FusedDecoder::add_layer, py::arg("input_norm"), py::arg("post_attn_norm"),
            py::arg("pre_ff_norm"), py::arg("post_ff_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
            py::arg("qkv_bias"), py::arg("o"), py::arg("o_bias"), py::arg("gate_up"), py::arg("down"),
-           py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("rope"),
-           py::arg("group"), release())
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("rope"), py::arg("group"),
+           py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), release())
       .def("forward", &FusedDecoder::forward, release())
       .def("set_profiling", &FusedDecoder::set_profiling, release())
       .def("profile", &FusedDecoder::profile, release());
