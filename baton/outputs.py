@@ -25,6 +25,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # why a constrained output ended early (its grammar admitted no token)
 
     @property
     def finished(self) -> bool:

@@ -7,6 +7,50 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 MAX_SEED = 2**64  # seeds are in [0, 2^64), as torch.Generator takes them
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+MAX_GRAMMAR_CHARS = 256 * 1024  # a schema, regex or grammar as text
+MAX_CHOICES = 1024
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's StructuredOutputsParams): exactly one of a JSON schema, any JSON
+    object, a regex, a choice of strings, or a grammar (llguidance's Lark, or llama.cpp's GBNF)."""
+
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice or grammar, "
+                f"got {', '.join(given) or 'none'}"
+            )
+        checks = [
+            (self.json is None or isinstance(self.json, (dict, str)), "json", "must be a JSON schema (object or text)"),
+            (self.regex is None or isinstance(self.regex, str), "regex", "must be a string"),
+            (self.grammar is None or isinstance(self.grammar, str), "grammar", "must be a string"),
+            (
+                self.choice is None
+                or (
+                    isinstance(self.choice, list)
+                    and 0 < len(self.choice) <= MAX_CHOICES
+                    and all(isinstance(c, str) and c for c in self.choice)
+                ),
+                "choice",
+                f"must be 1 to {MAX_CHOICES} non-empty strings",
+            ),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(f"invalid structured output {name}: {rule}")
+        size = len(self.json if isinstance(self.json, str) else repr(self.json or ""))
+        size += sum(len(x or "") for x in (self.regex, self.grammar)) + sum(map(len, self.choice or []))
+        if size > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the structured output spec has {size} characters; the limit is {MAX_GRAMMAR_CHARS}")
 
 
 @dataclass
@@ -35,6 +79,8 @@ class SamplingParams:
     """Only these tokens may be sampled."""
     bad_words: list[str] | None = None
     """Word sequences never generated: their last token is banned wherever the rest has just been produced."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Only tokens that keep the output inside this schema, regex, choice or grammar are sampled."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -71,7 +71,7 @@ def main() -> None:
     runner._group_metadata = timed("batch tensors", runner._group_metadata)
     model.forward = timed("model", model.forward)
     model.compute_logits = timed("lm_head", model.compute_logits)
-    engine._append_token = timed("outputs", engine._append_token)
+    engine.output.append_token = timed("outputs", engine.output.append_token)
     engine._outputs = timed("outputs", engine._outputs)
 
     rng = np.random.default_rng(0)

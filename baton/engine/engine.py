@@ -11,7 +11,8 @@ import os
 import torch
 
 from baton.config import EngineConfig
-from baton.engine.detokenizer import IncrementalDetokenizer
+from baton.engine.grammar import StructuredOutputs
+from baton.engine.output_processor import OutputProcessor, request_output
 from baton.engine.request import Request
 from baton.engine.runner import ModelRunner
 from baton.engine.sampler import sample, top_logprobs
@@ -24,7 +25,7 @@ from baton.handoff.validate import ImportPlan, plan_import
 from baton.kv.memory import build_cache_memory
 from baton.models.layers import can_pack_linears, describe_linears
 from baton.models.loader import load_model
-from baton.outputs import CompletionOutput, RequestOutput
+from baton.outputs import RequestOutput
 from baton.sampling_params import SamplingParams
 from baton.tokenizer import load_tokenizer
 
@@ -73,6 +74,8 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids) | self._generation_eos(loaded.path)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self.requests: dict[str, list[Request]] = {}  # request id -> its n samples
         self.num_kv_imports = 0
         self._touched: set[str] = set()  # requests changed outside a step (an import), reported next step
@@ -137,6 +140,7 @@ class LLMEngine:
             )
             req.export_kv = export_kv
             req.bad_words_token_ids = bad_words
+            self._attach_grammar(req)
             samples.append(req)
             self.scheduler.add(req)
         self.requests[request_id] = samples
@@ -154,6 +158,7 @@ class LLMEngine:
         plan = self.plan_import(blob, token_ids)
         req = Request(f"{request_id}#0", token_ids, params, self.eos_token_ids, self.max_model_len, prompt=text)
         req.bad_words_token_ids = bad_words
+        self._attach_grammar(req)
         apply_import(self.kv, self.storage, self.states, req.request_id, plan)
         req.num_computed_tokens = len(token_ids)
         # imported KV was computed elsewhere (maybe in another dtype): a salt keeps local requests
@@ -161,7 +166,7 @@ class LLMEngine:
         req.cache_salt = b"kv-import:" + plan.source_dtype.encode()
         self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.cache_salt)
         self.requests[request_id] = [req]
-        self._append_token(req, plan.first_token, None, 0.0)
+        self.output.append_token(req, plan.first_token, None, 0.0)
         self._touched.add(request_id)
         if not req.is_finished:
             self.kv.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
@@ -183,7 +188,14 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}"
             )
         params.check_token_ids(vocab)
+        if params.structured_outputs is not None:
+            self.structured.grammar(params.structured_outputs)  # GrammarError (a ValueError) if it does not compile
         return self._bad_words_token_ids(params.bad_words)
+
+    def _attach_grammar(self, req: Request) -> None:
+        spec = req.params.structured_outputs
+        if spec is not None:
+            req.matcher = self.structured.matcher(self.structured.grammar(spec))
 
     def _bad_words_token_ids(self, words: list[str] | None) -> list[list[int]]:
         """Each bad word as token ids, with and without a leading space (as vLLM bans them)."""
@@ -236,6 +248,13 @@ class LLMEngine:
             raise StepFailed(failed) from e
 
     def _execute(self, batch: SchedulerOutput) -> list[RequestOutput]:
+        # the masks of constrained rows that sample this step, computed while the model runs
+        constrained = [
+            s.request
+            for s in batch.scheduled
+            if s.request.matcher is not None and s.start + s.num_new_tokens == s.request.num_tokens
+        ]
+        masks = self.structured.start_masks(constrained) if constrained else None
         out = self.runner.execute(batch)
         for s in batch.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
@@ -249,8 +268,19 @@ class LLMEngine:
         if to_sample:
             rows = [out.sample_rows[r.request_id] for r in to_sample]
             logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[torch.tensor(rows)]
-            result = sample(logits, to_sample)
+            result = sample(logits, to_sample, masks.result() if masks is not None else None)
             for i, req in enumerate(to_sample):
+                if result.dead[i]:  # its grammar, allowed_token_ids, bad words, ... left no token
+                    why = (
+                        req.matcher.get_error()
+                        if req.matcher is not None and req.matcher.is_error()
+                        else "none is left"
+                    )
+                    req.error = (
+                        f"no token satisfies the request's constraints (structured output, allowed tokens): {why}"
+                    )
+                    self.scheduler.finish(req, "stop")
+                    continue
                 if req.export_kv is not None and req.num_output_tokens == 0:
                     span = export_span(
                         self.kv,
@@ -263,7 +293,7 @@ class LLMEngine:
                         self.states,
                     )
                     req.kv_span = wire.encode(span, self.kv_secret)
-                self._append_token(req, result.token_ids[i], result.logprobs[i], result.sampled_logprobs[i])
+                self.output.append_token(req, result.token_ids[i], result.logprobs[i], result.sampled_logprobs[i])
                 if req.export_kv is not None and not req.is_finished:
                     self.scheduler.finish(req, "length")  # a prefill-only request ends at its first token
         for s in batch.scheduled:
@@ -295,40 +325,6 @@ class LLMEngine:
         lp = logits[first : first + keep].log_softmax(dim=1)
         req.prompt_logprobs.extend(top_logprobs(lp, targets[first : first + keep], req.params.prompt_logprobs))
 
-    def _append_token(self, req: Request, token: int, logprobs, sampled_logprob: float) -> None:
-        req.token_ids.append(token)
-        if req.logprobs is not None:
-            req.logprobs.append(logprobs)
-            req.cumulative_logprob += sampled_logprob
-        p = req.params
-        detok = self._detokenizer(req)
-        if token in req.stop_token_ids:  # the sampler masks them until min_tokens
-            req.stop_reason = None if token in req.eos_token_ids else token
-            req.output_text = detok.text + detok.pending  # the stop token's own text left out
-            self.scheduler.finish(req, "stop")
-            return
-        previous = len(detok.text)  # final text: a stop string not found before may only end past it
-        detok.append(token)
-        req.output_text = detok.text + detok.pending  # == decode(output_token_ids), as a stop string sees it
-        if p.stop and req.num_output_tokens >= p.min_tokens:
-            longest = max(len(s) for s in p.stop)
-            start = max(0, previous - longest + 1)
-            hits = [(req.output_text.find(s, start), s) for s in p.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                idx, stop = min(hits)
-                req.output_text = req.output_text[: idx + len(stop) if p.include_stop_str_in_output else idx]
-                req.stop_reason = stop
-                self.scheduler.finish(req, "stop")
-                return
-        if req.num_tokens >= req.max_len:
-            self.scheduler.finish(req, "length")
-
-    def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
-        if req.detokenizer is None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
-        return req.detokenizer
-
     def _outputs(self, batch: SchedulerOutput) -> list[RequestOutput]:
         touched, self._touched = self._touched, set()
         touched |= {s.request.request_id.rpartition("#")[0] for s in batch.scheduled}
@@ -338,33 +334,8 @@ class LLMEngine:
             samples = self.requests.get(rid)
             if samples is None:
                 continue
-            out = self.request_output(rid, samples)
+            out = request_output(rid, samples)
             if out.finished:
                 del self.requests[rid]
             outs.append(out)
         return outs
-
-    @staticmethod
-    def request_output(request_id: str, samples: list[Request]) -> RequestOutput:
-        first = samples[0]
-        return RequestOutput(
-            request_id=request_id,
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            prompt_logprobs=first.prompt_logprobs,
-            outputs=[
-                CompletionOutput(
-                    index=r.index,
-                    text=r.output_text if r.is_finished or r.detokenizer is None else r.detokenizer.text,
-                    token_ids=list(r.output_token_ids),
-                    cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
-                    logprobs=r.logprobs,
-                    finish_reason=r.finish_reason,
-                    stop_reason=r.stop_reason,
-                )
-                for r in samples
-            ],
-            finished=all(r.is_finished for r in samples),
-            num_cached_tokens=first.num_cached_tokens,
-            kv_span=first.kv_span,
-        )

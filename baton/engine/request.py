@@ -68,6 +68,8 @@ class Request:
         self.kv_span: bytes | None = None
         self.cache_salt = b""  # part of every block hash: requests with different salts never share blocks
         self.bad_words_token_ids: list[list[int]] = []  # params.bad_words, tokenized by the engine
+        self.matcher = None  # structured outputs: the llguidance matcher of params.structured_outputs
+        self.error: str | None = None  # why a constrained output ended early
 
     @property
     def num_tokens(self) -> int:

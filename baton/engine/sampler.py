@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.engine.grammar import StepMasks, apply_token_bitmask_
 from baton.engine.request import Request
 from baton.outputs import Logprob, PositionLogprobs
 
@@ -22,6 +23,7 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[PositionLogprobs | None]
     sampled_logprobs: list[float]
+    dead: list[bool]  # rows whose constraints left no token: their token_ids entry means nothing
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[PositionLogprobs]:
@@ -109,12 +111,17 @@ def _apply_filters(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
-    """`logits`: [len(reqs), vocab] float32, one row per request that takes a token this step."""
+def sample(logits: torch.Tensor, reqs: list[Request], grammar: StepMasks | None = None) -> SampleResult:
+    """`logits`: [len(reqs), vocab] float32, one row per request that takes a token this step;
+    `grammar`: the token masks of the requests among them with structured outputs. Logprobs are
+    the model's (before any mask, penalty or temperature), as vLLM reports them."""
     raw_logprobs = None
     if any(r.logprobs is not None for r in reqs):
         raw_logprobs = logits.log_softmax(dim=1)
     logits = logits.clone()
+    if grammar is not None:
+        index = {id(r): i for i, r in enumerate(reqs)}
+        apply_token_bitmask_(logits, [index[id(r)] for r in grammar.requests], grammar.bitmask)
     if any(r.params.uses_penalties for r in reqs):
         _apply_penalties(logits, reqs)
     if any(r.params.logit_bias or r.params.allowed_token_ids is not None or r.bad_words_token_ids for r in reqs):
@@ -122,8 +129,9 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
     for i, req in enumerate(reqs):
         if req.num_output_tokens < req.params.min_tokens and req.stop_token_ids:
             logits[i, list(req.stop_token_ids)] = float("-inf")
+    dead = (~torch.isfinite(logits).any(dim=1)).tolist()
     chosen = logits.argmax(dim=1)
-    random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy and not dead[i]]
     if random_rows:
         idx = torch.tensor(random_rows)
         sub = [reqs[i] for i in random_rows]
@@ -149,4 +157,4 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
             entry = top_logprobs(raw_logprobs[i : i + 1], chosen[i : i + 1], reqs[i].params.logprobs)[0]
             position_logprobs[i] = entry
             sampled_lp[i] = entry[int(chosen[i])].logprob
-    return SampleResult(chosen.tolist(), position_logprobs, sampled_lp)
+    return SampleResult(chosen.tolist(), position_logprobs, sampled_lp, dead)

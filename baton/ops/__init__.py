@@ -237,6 +237,11 @@ def gated_act(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     return ops().gated_act(gate_up, gelu_tanh)
 
 
+def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits[rows[i], t] = -inf wherever bit t of bitmask[i] is clear (int32 words, a bit per token)."""
+    ops().apply_token_bitmask_(logits, rows, bitmask)
+
+
 def empty_huge_pages(nbytes: int) -> torch.Tensor:
     """`nbytes` uninitialized bytes (uint8) on transparent huge pages where the kernel grants them."""
     return ops().empty_huge_pages(nbytes)

@@ -36,6 +36,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
 void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& weight, double eps, double offset);
 void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor gated_act(const torch::Tensor& x, bool gelu_tanh);
+// logits[rows[i], t] = -inf wherever bit t of bitmask[i] (int32 words, a bit per token) is clear
+void apply_token_bitmask_(torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& bitmask);
 torch::Tensor empty_huge_pages(int64_t nbytes);
 // nbytes zero bytes (uint8) of anonymous memory on huge pages where granted: the kernel's zero pages,
 // resident only once touched (a KV pool costs memory as its blocks fill, not at start)

@@ -10,7 +10,9 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdlib>
 
 namespace {
@@ -188,4 +190,36 @@ torch::Tensor zeros_on_demand(int64_t nbytes) {
   return torch::from_blob(
       reinterpret_cast<void*>(start), {nbytes}, [base, span](void*) { munmap(base, span); },
       torch::TensorOptions().dtype(at::kByte));
+}
+
+void apply_token_bitmask_(torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.device().is_cpu(),
+              "logits must be float32 [rows, vocab] on the CPU, contiguous in vocab, got ", logits.scalar_type(), " ",
+              logits.sizes());
+  const int64_t n = rows.numel(), vocab = logits.size(1), words = (vocab + 31) / 32;
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(), "rows must be int64 [n]");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.is_contiguous() && bitmask.dim() == 2 &&
+                  bitmask.size(0) == n && bitmask.size(1) >= words,
+              "bitmask must be contiguous int32 [", n, ", >= ", words, "], got ", bitmask.scalar_type(), " ",
+              bitmask.sizes());
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(row[i] >= 0 && row[i] < logits.size(0), "rows[", i, "] = ", row[i], " is not a row of the logits");
+  const uint32_t* mask = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) {
+    float* out = logits.data_ptr<float>() + row[i] * logits.stride(0);
+    const uint32_t* m = mask + i * bitmask.size(1);
+    for (int64_t w = 0; w < words; ++w) {
+      const uint32_t bits = m[w];
+      if (bits == 0xFFFFFFFFu) continue;  // every token of the word allowed
+      const int64_t end = std::min<int64_t>(32, vocab - w * 32);
+      if (bits == 0) {  // none allowed: under a grammar, most words of a large vocabulary
+        std::fill_n(out + w * 32, end, neg_inf);
+        continue;
+      }
+      for (int64_t b = 0; b < end; ++b)
+        if (!(bits >> b & 1u)) out[w * 32 + b] = neg_inf;
+    }
+  }
 }

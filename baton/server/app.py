@@ -24,6 +24,7 @@ from baton.server.protocol import (
     TokenizeRequest,
 )
 from baton.server.serving import OpenAIServing
+from baton.server.tools import plan_tools
 from baton.tokenizer import apply_chat_template
 
 
@@ -117,7 +118,7 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, model_name: str) 
         if engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
         if body.messages is not None:
-            template = [m.as_template_dict() for m in body.messages]
+            template = plan_tools([m.as_template_dict() for m in body.messages], None, None).messages
             ids = await serving.off_loop(apply_chat_template, engine.tokenizer, template)
         elif body.prompt is not None:
             ids = await serving.off_loop(

@@ -70,6 +70,19 @@ class EngineCollector:
             )
             yield GaugeMetricFamily("baton_state_slots_total", "State slots", value=e.kv.num_state_slots)
         yield CounterMetricFamily("baton_preemptions", "Requests preempted for KV memory", value=s.num_preemptions)
+        so = e.structured
+        yield CounterMetricFamily(
+            "baton_grammars_compiled", "Distinct output constraints compiled", value=so.num_compiled
+        )
+        yield CounterMetricFamily(
+            "baton_grammar_compile_seconds", "Time compiling output constraints", value=so.compile_seconds
+        )
+        yield CounterMetricFamily("baton_grammar_mask_steps", "Steps that computed token masks", value=so.mask_steps)
+        yield CounterMetricFamily(
+            "baton_grammar_mask_seconds",
+            "Time computing token masks (beside the model's forward)",
+            value=so.mask_seconds,
+        )
         yield CounterMetricFamily(
             "baton_engine_step_failures",
             "Engine steps that raised (their requests failed; the engine went on)",

@@ -6,14 +6,40 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from baton.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams
+from baton.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams, StructuredOutputsParams
 
 NonNegInt = Annotated[int, Field(ge=0)]
 MAX_STOP = 64  # stop strings / stop token ids / bad words of one request
+MAX_TOOLS = 128
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` extra."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -43,6 +69,16 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool = False
     user: str | None = None
     kv_transfer_id: str | None = Field(None, max_length=64)  # a KV span parked here by /v1/internal/kv
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs (and its older
+    # guided_* fields), llama.cpp's grammar (GBNF) and json_schema; at most one of them
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None
+    json_schema: dict | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -73,7 +109,39 @@ class _SamplingFields(BaseModel):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            structured_outputs=self.structured_spec(),
         )
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        specs: dict[str, StructuredOutputsParams] = {}
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            specs["response_format"] = StructuredOutputsParams(json_object=True)
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            specs["response_format"] = StructuredOutputsParams(json=rf.json_schema.schema_)
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            specs["structured_outputs"] = StructuredOutputsParams(
+                json=so.json_, json_object=so.json_object, regex=so.regex, choice=so.choice, grammar=so.grammar
+            )
+        guided = {
+            "guided_json": "json",
+            "guided_regex": "regex",
+            "guided_choice": "choice",
+            "guided_grammar": "grammar",
+        }
+        for name, key in guided.items():
+            if getattr(self, name) is not None:
+                specs[name] = StructuredOutputsParams(**{key: getattr(self, name)})
+        if self.grammar is not None:
+            specs["grammar"] = StructuredOutputsParams(grammar=self.grammar)
+        if self.json_schema is not None:
+            specs["json_schema"] = StructuredOutputsParams(json=self.json_schema)
+        if len(specs) > 1:
+            raise ValueError(f"give one way to constrain the output, not {', '.join(specs)}")
+        return next(iter(specs.values()), None)
 
 
 class CompletionRequest(_SamplingFields):
@@ -102,17 +170,60 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(max_length=64)
+    arguments: str | dict = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = Field(None, max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=128)
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -121,6 +232,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_choice_value(self) -> str | dict | None:
+        tc = self.tool_choice
+        return tc.model_dump() if isinstance(tc, NamedToolChoice) else tc
 
 
 class TokenizeRequest(BaseModel):

@@ -1,11 +1,17 @@
-"""Engine outputs to OpenAI response bodies: whole responses, stream chunks, logprobs in both shapes."""
+"""Engine outputs to OpenAI response bodies: whole responses, stream chunks (server-sent events),
+logprobs in both shapes, assistant messages with tool calls."""
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from fastapi.responses import StreamingResponse
+
 from baton.outputs import PositionLogprobs, RequestOutput
+from baton.server.tools import parse_reply
 
 
 @dataclass
@@ -94,3 +100,27 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def chat_message(c, tools: bool) -> tuple[dict, str | None]:
+    """The assistant message of a finished output, and its finish reason (tool_calls for a call)."""
+    if not tools:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    content, calls = parse_reply(c.text)
+    if calls:
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": content}, c.finish_reason
+
+
+async def _events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    except Exception as e:  # headers are gone: report in-band, as OpenAI servers do
+        err = {"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}}
+        yield f"data: {json.dumps(err)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    return StreamingResponse(_events(events), media_type="text/event-stream")

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
-
-from fastapi.responses import StreamingResponse
 
 from baton.config import ServerConfig
 from baton.engine.async_engine import AsyncEngine
 from baton.handoff.transport import SpanStore
 from baton.http import APIError
 from baton.outputs import RequestOutput
-from baton.sampling_params import SamplingParams
+from baton.sampling_params import SamplingParams, StructuredOutputsParams
 from baton.server.metrics import ServerMetrics
 from baton.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from baton.server.responses import (
@@ -24,10 +21,13 @@ from baton.server.responses import (
     Timing,
     TokenText,
     chat_logprobs,
+    chat_message,
     completion_logprobs,
+    sse,
     stream_safe_text,
     usage,
 )
+from baton.server.tools import plan_tools
 from baton.tokenizer import apply_chat_template
 
 T = TypeVar("T")
@@ -71,8 +71,23 @@ class OpenAIServing:
                 headers={"Retry-After": "1"},
             )
 
-    def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        return apply_chat_template(self.engine.tokenizer, [m.as_template_dict() for m in body.messages])
+    def _chat_ids(self, body: ChatCompletionRequest) -> tuple[list[int], StructuredOutputsParams | None]:
+        """The conversation's token ids, and the grammar its tools put on the reply (None without)."""
+        choice = body.tool_choice_value()
+        if choice not in (None, "none", "auto") and not body.tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        tools = [t.model_dump() for t in body.tools] if body.tools else None
+        plan = plan_tools([m.as_template_dict() for m in body.messages], tools, choice)
+        return apply_chat_template(self.engine.tokenizer, plan.messages), plan.structured
+
+    @staticmethod
+    def _chat_params(body: ChatCompletionRequest, tool_spec, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        params = body.sampling_params(max_tokens, logprobs, None)
+        if tool_spec is not None:
+            if params.structured_outputs is not None:
+                raise ValueError("tools and response_format (or another output constraint) cannot be combined")
+            params.structured_outputs = tool_spec
+        return params
 
     def _prepare(self, prompt, body: _SamplingFields, max_tokens: int | None) -> tuple[str | None, list[int], int]:
         """Tokenize and check against the context; returns (text, ids, max_tokens resolved)."""
@@ -175,15 +190,16 @@ class OpenAIServing:
         """Prefill one prompt and return its encoded KV span (the first token travels inside)."""
         self.admit(1)
         if isinstance(body, ChatCompletionRequest):
-            ids = await self.off_loop(self._chat_ids, body)
+            ids, tool_spec = await self.off_loop(self._chat_ids, body)
             max_tokens = body.max_completion_tokens or body.max_tokens
             _, ids, _ = await self.off_loop(self._prepare, {"prompt_token_ids": ids}, body, max_tokens)
+            params = self._chat_params(body, tool_spec, 1, None)
         else:
             prompts = body.prompts()
             if len(prompts) != 1:
                 raise ValueError("a KV handoff carries one prompt")
             _, ids, _ = await self.off_loop(self._prepare, prompts[0], body, body.max_tokens)
-        params = body.sampling_params(1, None, None)
+            params = body.sampling_params(1, None, None)
         await self.off_loop(self._check, [ids], [params])
         (out,) = await self._final([self._tracked(ids, params, rid, export_kv=fmt)])
         if out.kv_span is None:
@@ -205,7 +221,7 @@ class OpenAIServing:
         ]
         keep_output = [m > 0 for _, _, m in prepared]  # max_tokens 0: prompt only (echo / scoring)
         if body.stream:
-            return _sse(self._completion_stream(body, rid, prepared, keep_output, gens))
+            return sse(self._completion_stream(body, rid, prepared, keep_output, gens))
         outs = await self._final(gens)
         choices, completion_tokens = [], 0
         for i, (out, (text, ids, _)) in enumerate(zip(outs, prepared)):
@@ -221,6 +237,8 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason if keep_output[i] else "length",
                     "stop_reason": c.stop_reason,
                 }
+                if c.error:
+                    choice["error"] = c.error
                 if body.logprobs is not None:
                     lp_ids = (ids if body.echo else []) + out_ids
                     entries = (out.prompt_logprobs if body.echo else []) + (c.logprobs or [])[: len(out_ids)]
@@ -272,6 +290,8 @@ class OpenAIServing:
                 if done:
                     choice["finish_reason"] = c.finish_reason if keep_output[i] else "length"
                     choice["stop_reason"] = c.stop_reason
+                    if c.error:
+                        choice["error"] = c.error
                     st.finished = True
                     completion_tokens += len(c.token_ids) if keep_output[i] else 0
                 st.text_sent += len(delta)
@@ -288,26 +308,30 @@ class OpenAIServing:
     # ---- /v1/chat/completions --------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, rid: str):
         self.admit(body.n)
-        ids = await self.off_loop(self._chat_ids, body)
+        ids, tool_spec = await self.off_loop(self._chat_ids, body)
         _, ids, max_tokens = await self.off_loop(
             self._prepare, {"prompt_token_ids": ids}, body, body.max_completion_tokens or body.max_tokens
         )
         top_n = body.top_logprobs or 0
-        params = body.sampling_params(max_tokens, top_n if body.logprobs else None, None)
+        params = self._chat_params(body, tool_spec, max_tokens, top_n if body.logprobs else None)
         await self.off_loop(self._check, [ids], [params])
         gen = self._tracked(ids, params, rid, kv_span=self._parked_span(body))
+        tools = tool_spec is not None
         if body.stream:
-            return _sse(self._chat_stream(body, rid, ids, top_n, gen))
+            return sse(self._chat_stream(body, rid, ids, top_n, gen, tools))
         (out,) = await self._final([gen])
         choices = []
         for c in out.outputs:
+            message, finish_reason = chat_message(c, tools)
             choice = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": chat_logprobs(c.token_ids, c.logprobs, self.piece, top_n) if body.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             }
+            if c.error:
+                choice["error"] = c.error
             if body.return_token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
@@ -317,7 +341,9 @@ class OpenAIServing:
             response["prompt_token_ids"] = ids
         return response
 
-    async def _chat_stream(self, body, rid, ids, top_n, gen) -> AsyncIterator[dict]:
+    async def _chat_stream(self, body, rid, ids, top_n, gen, tools: bool) -> AsyncIterator[dict]:
+        """With tools the reply is one JSON object, parsed when it is complete: its content or its
+        tool call goes out in the final chunk (OpenAI's stream shape, arguments in one piece)."""
         head = self._header(rid, "chat.completion.chunk")
         first = {
             **head,
@@ -339,18 +365,28 @@ class OpenAIServing:
                 if st.finished:
                     continue
                 done = c.finish_reason is not None
+                if tools and not done:
+                    continue
                 delta = stream_safe_text(c.text, done, stop)[st.text_sent :]
                 new_ids = c.token_ids[st.tokens_sent :]
                 if not (delta or done or (body.return_token_ids and new_ids)):
                     continue
                 choice = {"index": c.index, "delta": {"content": delta}, "logprobs": None, "finish_reason": None}
+                if tools:
+                    message, finish_reason = chat_message(c, True)
+                    choice["delta"] = {k: v for k, v in message.items() if k != "role" and v is not None}
+                    for i, call in enumerate(choice["delta"].get("tool_calls", [])):
+                        call["index"] = i
                 if body.logprobs:
                     entries = c.logprobs[st.tokens_sent : st.tokens_sent + len(new_ids)]
                     choice["logprobs"] = chat_logprobs(new_ids, entries, self.piece, top_n)
                 if body.return_token_ids:
                     choice["token_ids"] = new_ids
                 if done:
-                    choice["finish_reason"], choice["stop_reason"] = c.finish_reason, c.stop_reason
+                    choice["finish_reason"] = finish_reason if tools else c.finish_reason
+                    choice["stop_reason"] = c.stop_reason
+                    if c.error:
+                        choice["error"] = c.error
                     st.finished = True
                     completion_tokens += len(c.token_ids)
                 st.text_sent += len(delta)
@@ -362,17 +398,3 @@ class OpenAIServing:
     def _decode(self, ids: list[int]) -> str:
         tok = self.engine.tokenizer
         return tok.decode(ids) if tok is not None else ""
-
-
-async def _events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
-    try:
-        async for event in events:
-            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-    except Exception as e:  # headers are gone: report in-band, as OpenAI servers do
-        err = {"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}}
-        yield f"data: {json.dumps(err)}\n\n"
-    yield "data: [DONE]\n\n"
-
-
-def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
-    return StreamingResponse(_events(events), media_type="text/event-stream")

@@ -1,0 +1,140 @@
+"""Structured outputs on llguidance. A request's schema, regex, choice or grammar compiles (once per
+distinct spec, checked against the vocabulary) into an llguidance grammar, and each constrained
+sequence gets a matcher. A step's masks are computed on a worker thread while the model runs, as
+a packed bitmask (a bit per token), and applied to the rows that need one; a matcher advances only
+with a token appended to its sequence."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import llguidance.hf
+import torch
+from llguidance import LLMatcher
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from baton import ops
+from baton.sampling_params import StructuredOutputsParams
+
+MAX_CACHED_GRAMMARS = 256
+# JSON as compact as json.dumps(separators=(", ", ": ")) writes it, with no free whitespace: small
+# models left free whitespace tend to emit newlines until max_tokens
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A structured output spec that does not compile (HTTP 400)."""
+
+
+@dataclass
+class StepMasks:
+    """The masks of one step's constrained rows: bitmask[i] is for requests[i]."""
+
+    requests: list  # the Requests, in row order of `bitmask`
+    bitmask: torch.Tensor  # int32 [len(requests), ceil(vocab / 32)]
+    seconds: float
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> None:
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._ll_tokenizer = None  # built on first use: converting a 262k vocabulary takes a second
+        self._lock = threading.Lock()
+        self._grammars: OrderedDict[str, str] = OrderedDict()  # spec as JSON -> validated grammar
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="baton-grammar")
+        self.num_compiled = 0
+        self.compile_seconds = 0.0
+        self.mask_seconds = 0.0
+        self.mask_steps = 0
+
+    def tokenizer(self):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                if self._hf_tokenizer is None:
+                    raise GrammarError("structured outputs need the model's tokenizer; this model has none")
+                try:
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None
+                    )
+                except ValueError as e:
+                    raise GrammarError(f"structured outputs are not available for this tokenizer: {e}") from None
+            return self._ll_tokenizer
+
+    def grammar(self, spec: StructuredOutputsParams) -> str:
+        """The spec as a validated llguidance grammar (GrammarError naming the problem if it is not)."""
+        key = json.dumps(
+            [spec.json, spec.json_object, spec.regex, spec.choice, spec.grammar], sort_keys=True, default=str
+        )
+        with self._lock:
+            if key in self._grammars:
+                self._grammars.move_to_end(key)
+                return self._grammars[key]
+        start = time.perf_counter()
+        grammar = _to_grammar(spec)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer())
+        if is_error:
+            raise GrammarError(f"the structured output spec does not compile: {messages[0]}")
+        with self._lock:
+            self.num_compiled += 1
+            self.compile_seconds += time.perf_counter() - start
+            self._grammars[key] = grammar
+            if len(self._grammars) > MAX_CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
+        return grammar
+
+    def matcher(self, grammar: str) -> LLMatcher:
+        m = LLMatcher(self.tokenizer(), grammar, log_level=0)
+        if m.is_error():
+            raise GrammarError(f"the structured output spec does not compile: {m.get_error()}")
+        return m
+
+    def start_masks(self, requests: list) -> Future[StepMasks]:
+        """The masks of `requests` (each with a matcher), computed on the worker thread."""
+        return self._pool.submit(self._compute, list(requests))
+
+    def _compute(self, requests: list) -> StepMasks:
+        start = time.perf_counter()
+        bitmask = torch.full((len(requests), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        for i, req in enumerate(requests):
+            row = bitmask[i]
+            req.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        seconds = time.perf_counter() - start
+        self.mask_seconds += seconds
+        self.mask_steps += 1
+        return StepMasks(requests, bitmask, seconds)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Set to -inf every token a row's mask leaves out: bitmask[i] (a bit per token, int32 words)
+    is for logits row rows[i]."""
+    ops.apply_token_bitmask_(logits, torch.tensor(rows, dtype=torch.long), bitmask)
+
+
+def _to_grammar(spec: StructuredOutputsParams) -> str:
+    try:
+        if spec.json is not None or spec.json_object:
+            schema = spec.json if spec.json is not None else {"type": "object"}
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            if not isinstance(schema, dict):
+                raise GrammarError("a JSON schema is an object")
+            return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        if spec.regex is not None:
+            return LLMatcher.grammar_from_regex(spec.regex)
+        if spec.choice is not None:
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+            return LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        text = spec.grammar or ""
+        lark = gbnf_to_lark(text) if "::=" in text else text  # llama.cpp's GBNF, else Lark
+        return LLMatcher.grammar_from_lark(lark)
+    except GrammarError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a request's spec makes the converters raise is the request's fault
+        raise GrammarError(f"the structured output spec does not compile: {type(e).__name__}: {str(e)[:500]}") from None

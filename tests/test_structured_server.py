@@ -1,0 +1,184 @@
+"""Structured outputs and tool calls through `baton serve` with the official openai client:
+response_format, vLLM's structured_outputs, llama.cpp's grammar, a tool-call round trip (call,
+tool result, final answer), streamed tool calls, and compile errors as 400s."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+import requests
+
+from tests.server_util import ServerProcess
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--max-model-len", "1024")
+    yield srv
+    srv.terminate()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+
+
+def test_response_format_json_schema_and_json_object(client):
+    schema = {
+        "type": "object",
+        "properties": {"title": {"type": "string", "maxLength": 30}, "year": {"type": "integer", "maximum": 2100}},
+        "required": ["title", "year"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Name a book and its year."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "book", "schema": schema}},
+        max_tokens=80,
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Any JSON object, please."}],
+        response_format={"type": "json_object"},
+        max_tokens=60,
+        temperature=0,
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_vllm_extras_and_llama_cpp_grammar(client):
+    r = client.completions.create(
+        model="smollm2-135m",
+        prompt="A phone number: ",
+        max_tokens=20,
+        extra_body={"structured_outputs": {"regex": r"\+1-[0-9]{3}-[0-9]{4}"}},
+    )
+    assert re.fullmatch(r"\+1-[0-9]{3}-[0-9]{4}", r.choices[0].text)
+    r = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Is water wet?"}],
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert r.choices[0].message.content in ("yes", "no")
+    r = client.completions.create(
+        model="smollm2-135m",
+        prompt="Answer: ",
+        max_tokens=20,
+        extra_body={"grammar": 'root ::= "It is " ("true" | "false") "."'},
+    )
+    assert r.choices[0].text in ("It is true.", "It is false.")
+
+
+def test_specs_that_do_not_compile_are_400s(server, client):
+    cases = [
+        {"structured_outputs": {"regex": "([0-9]"}},
+        {"grammar": "root ::= nowhere"},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+        {"structured_outputs": {"regex": "a"}, "grammar": 'root ::= "a"'},  # two constraints at once
+        {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+    ]
+    for extra in cases:
+        body = {"model": "smollm2-135m", "prompt": "x", "max_tokens": 4, **extra}
+        r = requests.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["message"], extra
+    # the server still answers
+    assert client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_tool_call_round_trip(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, tools=[WEATHER, TIME], tool_choice="required", max_tokens=80
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name in ("get_weather", "get_time")
+    tool = WEATHER if call.function.name == "get_weather" else TIME
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    # a named function
+    r = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=messages,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=80,
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    # the tool's result goes back, and the model answers
+    messages += [
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})},
+    ]
+    final = client.chat.completions.create(model="smollm2-135m", messages=messages, tools=[WEATHER], max_tokens=60)
+    answer = final.choices[0]
+    assert answer.message.tool_calls or (answer.message.content and answer.finish_reason in ("stop", "length"))
+    final = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=30
+    )
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+
+def test_streamed_tool_call(client):
+    stream = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=80,
+        stream=True,
+    )
+    name, arguments, finish = "", "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                name += call.function.name or ""
+                arguments += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert name == "get_weather" and finish == "tool_calls"
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+def test_unknown_named_tool_is_a_400(server):
+    body = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "nope"}},
+    }
+    r = requests.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "nope" in r.json()["error"]["message"]
