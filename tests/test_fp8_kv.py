@@ -153,7 +153,7 @@ def test_fp8_cache_holds_four_times_the_tokens_and_is_batch_and_prefix_invariant
     assert smollm2_fp8.engine.kv.all_free()
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("model", ["smollm2", pytest.param("gemma3", marks=pytest.mark.slow)])  # gemma3: 14 s
 def test_fp8_model_reads_what_torch_quantizes(model, request, monkeypatch):
     """A prompt's logits on an fp8 cache equal those of the float32 model whose cache holds torch's
     e4m3 quantization of every block and head; on Gemma3 past its sliding window."""
