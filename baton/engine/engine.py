@@ -189,13 +189,13 @@ class LLMEngine:
             )
         params.check_token_ids(vocab)
         if params.structured_outputs is not None:
-            self.structured.grammar(params.structured_outputs)  # GrammarError (a ValueError) if it does not compile
+            self.structured.compile(params.structured_outputs)  # GrammarError (a ValueError) if it does not compile
         return self._bad_words_token_ids(params.bad_words)
 
     def _attach_grammar(self, req: Request) -> None:
         spec = req.params.structured_outputs
         if spec is not None:
-            req.matcher = self.structured.matcher(self.structured.grammar(spec))
+            req.matcher = self.structured.matcher(spec)
 
     def _bad_words_token_ids(self, words: list[str] | None) -> list[list[int]]:
         """Each bad word as token ids, with and without a leading space (as vLLM bans them)."""

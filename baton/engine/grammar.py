@@ -47,7 +47,7 @@ class StructuredOutputs:
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer = None  # built on first use: converting a 262k vocabulary takes a second
         self._lock = threading.Lock()
-        self._grammars: OrderedDict[str, str] = OrderedDict()  # spec as JSON -> validated grammar
+        self._templates: OrderedDict[str, LLMatcher] = OrderedDict()  # spec as JSON -> its unused matcher
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="baton-grammar")
         self.num_compiled = 0
         self.compile_seconds = 0.0
@@ -67,33 +67,38 @@ class StructuredOutputs:
                     raise GrammarError(f"structured outputs are not available for this tokenizer: {e}") from None
             return self._ll_tokenizer
 
-    def grammar(self, spec: StructuredOutputsParams) -> str:
-        """The spec as a validated llguidance grammar (GrammarError naming the problem if it is not)."""
+    def compile(self, spec: StructuredOutputsParams) -> LLMatcher:
+        """A fresh matcher of the spec, kept as the template its requests copy (GrammarError naming
+        the problem if the spec does not compile). The server calls it on its own thread before a
+        request reaches the engine, so the engine's thread only ever copies a built matcher."""
         key = json.dumps(
             [spec.json, spec.json_object, spec.regex, spec.choice, spec.grammar], sort_keys=True, default=str
         )
         with self._lock:
-            if key in self._grammars:
-                self._grammars.move_to_end(key)
-                return self._grammars[key]
+            if key in self._templates:
+                self._templates.move_to_end(key)
+                return self._templates[key]
         start = time.perf_counter()
         grammar = _to_grammar(spec)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer())
         if is_error:
             raise GrammarError(f"the structured output spec does not compile: {messages[0]}")
+        template = LLMatcher(self.tokenizer(), grammar, log_level=0)
+        if template.is_error():
+            raise GrammarError(f"the structured output spec does not compile: {template.get_error()}")
         with self._lock:
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - start
-            self._grammars[key] = grammar
-            if len(self._grammars) > MAX_CACHED_GRAMMARS:
-                self._grammars.popitem(last=False)
-        return grammar
+            self._templates[key] = template
+            if len(self._templates) > MAX_CACHED_GRAMMARS:
+                self._templates.popitem(last=False)
+        return template
 
-    def matcher(self, grammar: str) -> LLMatcher:
-        m = LLMatcher(self.tokenizer(), grammar, log_level=0)
-        if m.is_error():
-            raise GrammarError(f"the structured output spec does not compile: {m.get_error()}")
-        return m
+    def matcher(self, spec: StructuredOutputsParams) -> LLMatcher:
+        """A request's own matcher: a copy of the spec's template, at the start of the grammar."""
+        template = self.compile(spec)
+        with self._lock:
+            return template.deep_copy()
 
     def start_masks(self, requests: list) -> Future[StepMasks]:
         """The masks of `requests` (each with a matcher), computed on the worker thread."""
