@@ -37,7 +37,6 @@ class StepMasks:
 
     requests: list  # the Requests, in row order of `bitmask`
     bitmask: torch.Tensor  # int32 [len(requests), ceil(vocab / 32)]
-    seconds: float
 
 
 class StructuredOutputs:
@@ -79,11 +78,7 @@ class StructuredOutputs:
                 self._templates.move_to_end(key)
                 return self._templates[key]
         start = time.perf_counter()
-        grammar = _to_grammar(spec)
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer())
-        if is_error:
-            raise GrammarError(f"the structured output spec does not compile: {messages[0]}")
-        template = LLMatcher(self.tokenizer(), grammar, log_level=0)
+        template = LLMatcher(self.tokenizer(), _to_grammar(spec), log_level=0)  # compiles it, or is_error()
         if template.is_error():
             raise GrammarError(f"the structured output spec does not compile: {template.get_error()}")
         with self._lock:
@@ -110,10 +105,9 @@ class StructuredOutputs:
         for i, req in enumerate(requests):
             row = bitmask[i]
             req.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-        seconds = time.perf_counter() - start
-        self.mask_seconds += seconds
+        self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
-        return StepMasks(requests, bitmask, seconds)
+        return StepMasks(requests, bitmask)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:

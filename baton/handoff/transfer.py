@@ -59,11 +59,11 @@ def export_span(
             slots = _slots(kv, request_id, g.group_id, np.arange(start, n))
             for kind, data, scale in _group_tensors(storage, g.group_id):  # [layers, slots, heads, dim]
                 held = data[:, slots]
-                span.tensors.append(SpanTensor(kind, g.layer_ids, start, _out(held, storage, span.layout)))
+                span.tensors.append(SpanTensor(kind, g.layer_ids, start, _out(held, span.layout)))
                 if scale is not None:  # [layers, blocks, heads] -> per position [layers, T, heads, 1]
                     per_position = scale[:, slots // bs, :, None]
                     span.tensors.append(
-                        SpanTensor(SCALE_KINDS[kind], g.layer_ids, start, _out(per_position, storage, span.layout))
+                        SpanTensor(SCALE_KINDS[kind], g.layer_ids, start, _out(per_position, span.layout))
                     )
         return span
     num_layers = fingerprint["num_layers"]
@@ -83,9 +83,7 @@ def export_span(
         for layer_id in g.layer_ids:
             layer_starts[layer_id] = start
     for kind, data in dense.items():
-        span.tensors.append(
-            SpanTensor(kind, tuple(range(num_layers)), 0, _out(data, storage, span.layout), tuple(layer_starts))
-        )
+        span.tensors.append(SpanTensor(kind, tuple(range(num_layers)), 0, _out(data, span.layout), tuple(layer_starts)))
     return span
 
 
@@ -101,7 +99,7 @@ def _group_tensors(storage: KVStorage, group_id: int) -> list[tuple[str, torch.T
     ]
 
 
-def _out(t: torch.Tensor, storage: KVStorage, layout: str) -> torch.Tensor:
+def _out(t: torch.Tensor, layout: str) -> torch.Tensor:
     """A [layers, T, heads, dim] tensor in the span's layout, fp8 bits as fp8 again."""
     t = to_layout(t, AXES, layout).contiguous()
     return t.view(FP8) if t.dtype == torch.uint8 else t

@@ -32,9 +32,8 @@ __all__ = ["GroupWrite", "ImportPlan", "InvalidKVImport", "plan_import"]  # Inva
 class GroupWrite:
     group_id: int
     positions: np.ndarray  # positions written, ascending
-    k: (
-        torch.Tensor
-    )  # [layers in group, T, heads, dim] in the receiver's KV dtype (float32 for fp8: quantized as written)
+    # [layers in group, T, heads, dim] in the receiver's KV dtype (float32 for fp8: quantized as written)
+    k: torch.Tensor
     v: torch.Tensor
 
 
@@ -206,7 +205,7 @@ def check_tensor(i: int, e: Any, n: int, layout: str, receiver: _Receiver, body:
     return _Source(kind, layers, start, starts, dtype, shape, raw, e.get("index"))
 
 
-def _values(src: _Source, sources: dict, layout: str) -> torch.Tensor:
+def _values(src: _Source, sources: dict) -> torch.Tensor:
     """A K or V tensor's values in the span's layout: fp8 codes times their scales as float32."""
     t = wire.tensor_from_bytes(src.raw, SPAN_DTYPES[src.dtype], src.shape)
     if t.dtype != torch.float8_e4m3fn:
@@ -298,7 +297,7 @@ def plan_import(
         out = {}
         for kind in ("k", "v"):
             src = picked[(g.group_id, kind)]
-            t = to_layout(_values(src, sources, layout), layout, AXES)
+            t = to_layout(_values(src, sources), layout, AXES)
             if src.layer_ids != g.layer_ids:  # dense: pick this group's layers
                 t = t[list(g.layer_ids)]
             t = t[:, need - src.start :]  # only real positions

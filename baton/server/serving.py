@@ -372,6 +372,7 @@ class OpenAIServing:
                 if not (delta or done or (body.return_token_ids and new_ids)):
                     continue
                 choice = {"index": c.index, "delta": {"content": delta}, "logprobs": None, "finish_reason": None}
+                finish_reason = c.finish_reason
                 if tools:
                     message, finish_reason = chat_message(c, True)
                     choice["delta"] = {k: v for k, v in message.items() if k != "role" and v is not None}
@@ -383,7 +384,7 @@ class OpenAIServing:
                 if body.return_token_ids:
                     choice["token_ids"] = new_ids
                 if done:
-                    choice["finish_reason"] = finish_reason if tools else c.finish_reason
+                    choice["finish_reason"] = finish_reason
                     choice["stop_reason"] = c.stop_reason
                     if c.error:
                         choice["error"] = c.error
