@@ -280,7 +280,19 @@ def test_bad_requests_do_not_disturb_a_running_stream(server, client, smollm2):
         model="smollm2-135m", prompt=prompt, max_tokens=40, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
     pieces = [next(stream).choices[0].text]
-    for bad in ({"prompt": "x", "top_p": 0}, {"prompt": [10**9]}, {"prompt": "x", "n": 0}, {"prompt": []}):
+    for bad in (
+        {"prompt": "x", "top_p": 0},
+        {"prompt": [10**9]},
+        {"prompt": "x", "n": 0},
+        {"prompt": []},
+        {"prompt": "x", "structured_outputs": {"regex": "([0-9]"}},  # an output constraint that does not compile
+        {"prompt": "x", "grammar": "root ::= nowhere"},
+        {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+    ):
         assert _post(server, "/v1/completions", bad).status_code == 400
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    unknown = {"type": "function", "function": {"name": "g"}}
+    chat = {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "tool_choice": unknown}
+    assert _post(server, "/v1/chat/completions", chat).status_code == 400
     pieces += [c.choices[0].text for c in stream]
     assert "".join(pieces) == expected.outputs[0].text
