@@ -7,7 +7,15 @@ import dataclasses
 import signal
 import sys
 
-from baton.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig, ServerConfig
+from baton.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SpeculativeConfig,
+)
 from baton.ops import OpsBuildError
 
 _CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
@@ -39,6 +47,11 @@ def add_config_args(parser: argparse.ArgumentParser, sections=_CONFIG_SECTIONS) 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, as vLLM takes it: {"method": "ngram" | "draft_model" | "mtp", "num_speculative_tokens": k, ...}',
+    )
 
 
 def _section(section, args: argparse.Namespace):
@@ -53,6 +66,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=_section(SchedulerConfig, args),
         kv_transfer=kv_transfer,
         seed=args.seed,
+        speculative=SpeculativeConfig.parse(args.speculative_config),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -140,6 +141,71 @@ class ServerConfig:
             raise ValueError("max_waiting_requests and max_sequences_per_request must be positive")
 
 
+SPEC_METHODS = ("ngram", "draft_model", "mtp")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's --speculative-config: a proposer drafts tokens, one forward verifies them all."""
+
+    method: str = "ngram"
+    """ngram: prompt lookup over the prompt and the output; draft_model: a smaller (or quantized)
+    model with the same tokenizer; mtp: the model's own multi-token-prediction layers."""
+    num_speculative_tokens: int = 4
+    """The most tokens drafted per request and step (k); each request's own k follows its
+    measured acceptance between 1 and this."""
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    """ngram: the longest suffix of this many tokens (down to the min) found earlier is followed."""
+    model: str | None = None
+    """draft_model: a known name, HF directory or .gguf; its vocabulary must be the target's."""
+    quantization: str | None = None
+    """draft_model: quantize the draft's linears at load (q4_0, q8_0, ...)."""
+    disable_by_batch_size: int | None = 16
+    """Speculate only while fewer requests than this are running (None: always). On a CPU, a
+    batch of decodes already reads each weight once for many tokens: verifying drafts then costs
+    compute that plain decoding does not (bench/spec_decode.py measures the crossover)."""
+    adaptive: bool = True
+    """Each request's k follows its acceptance: it drafts only as far as drafts tend to survive."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 32:
+            raise ValueError(
+                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= 32, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative method "draft_model" needs "model"')
+        if self.method != "draft_model" and (self.model or self.quantization):
+            raise ValueError(f'"model" and "quantization" belong to method "draft_model", not {self.method!r}')
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a dict or its JSON text (the CLI flag), with unknown keys named in the error."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("the speculative config is a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; known: {', '.join(sorted(known))}")
+        return cls(**value)
+
+
 KV_ROLES = ("none", "prefill", "decode", "both")
 
 
@@ -192,6 +258,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     env: EnvSettings = field(default_factory=EnvSettings.read)
     seed: int = 0
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -204,13 +271,14 @@ class EngineConfig:
         }
         parts: dict[str, dict] = {name: {} for name in sections}
         seed = kwargs.pop("seed", 0)
+        speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
         for key, value in kwargs.items():
             owner = next((s for s, c in sections.items() if key in {f.name for f in fields(c)}), None)
             if owner is None:
                 known = sorted(f.name for c in sections.values() for f in fields(c))
                 raise TypeError(f"unknown engine setting {key!r}; known: {', '.join(known)}")
             parts[owner][key] = value
-        return cls(**{s: c(**parts[s]) for s, c in sections.items()}, seed=seed)
+        return cls(**{s: c(**parts[s]) for s, c in sections.items()}, seed=seed, speculative=speculative)
 
     def kv_secret_bytes(self) -> bytes | None:
         """The explicit shared secret (flag, BATON_KV_SECRET, else the API key), or None."""

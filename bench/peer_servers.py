@@ -61,7 +61,7 @@ def llama_server_binary(cache: Path) -> Path:
 
 
 def llama_cpp_binary(cache: Path, name: str) -> Path:
-    """llama.cpp's `name` (llama-server, llama-perplexity), built once with both tools.
+    """llama.cpp's `name` (llama-server, llama-perplexity, llama-quantize), built once.
 
     Native to this CPU but without AMX: ggml's AMX matmul dies at its first tile instruction on
     these machines (SIGILL in llama-server, SIGSEGV at ldtilecfg under gdb) though the CPU lists
@@ -79,7 +79,7 @@ def llama_cpp_binary(cache: Path, name: str) -> Path:
     configure += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
     subprocess.run(configure, check=True, stdout=subprocess.DEVNULL)
     jobs = str(os.cpu_count() or 2)
-    targets = ["llama-server", "llama-perplexity"]
+    targets = sorted({"llama-server", "llama-perplexity", name})
     subprocess.run(["cmake", "--build", str(build), "--target", *targets, "-j", jobs], check=True)
     return binary
 
@@ -115,8 +115,11 @@ def inherited_env() -> str:
     return " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith(RELEVANT_ENV))
 
 
-def start_server(peer: str, model: str, weights: Path, cache: Path, log_path: Path) -> Server:
-    """`peer` serving `weights` (an HF directory or a GGUF file) as `model`, healthy."""
+def start_server(
+    peer: str, model: str, weights: Path, cache: Path, log_path: Path, extra: list[str] | None = None, label: str = ""
+) -> Server:
+    """`peer` serving `weights` (an HF directory or a GGUF file) as `model`, healthy; `extra`
+    flags go on its command line, `label` names it in tables (default: the peer)."""
     port = free_port()
     max_len = str(MAX_MODEL_LEN[model])
     note = ""
@@ -149,6 +152,7 @@ def start_server(peer: str, model: str, weights: Path, cache: Path, log_path: Pa
         note = "KV cache: its default type, f16; built with GGML_NATIVE=ON, AMX off"
     else:
         raise ValueError(f"unknown peer {peer!r}")
+    cmd += extra or []
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
@@ -159,7 +163,7 @@ def start_server(peer: str, model: str, weights: Path, cache: Path, log_path: Pa
         raise
     if peer == "vllm":
         note = "its log: " + vllm_binding(log_path)
-    return Server(peer, url, proc, cmd, env, note)
+    return Server(label or peer, url, proc, cmd, env, note)
 
 
 def vllm_binding(log_path: Path) -> str:

@@ -27,6 +27,8 @@ from baton.models.layers import can_pack_linears, describe_linears
 from baton.models.loader import load_model
 from baton.outputs import RequestOutput
 from baton.sampling_params import SamplingParams
+from baton.spec.decoder import SpecDecoder
+from baton.spec.verify import accept_drafts
 from baton.tokenizer import load_tokenizer
 
 Prompt = str | list[int] | dict
@@ -62,7 +64,8 @@ class LLMEngine:
         cache, sched = config.cache, config.scheduler
         mc = self.model_config
         kv_dtype = getattr(torch, cache.kv_torch_dtype_name(config.model.torch_dtype_name))
-        memory = build_cache_memory(mc, cache, sched, kv_dtype)
+        spec = config.speculative
+        memory = build_cache_memory(mc, cache, sched, kv_dtype, spec.num_speculative_tokens if spec else 0)
         self.kv_spec, self.kv, self.storage, self.states = memory.spec, memory.kv, memory.storage, memory.states
         self.max_model_len = memory.max_model_len
         self.fingerprint = model_fingerprint(mc, loaded.source.header(), loaded.weights_content_sha256)
@@ -76,10 +79,23 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
+        self.spec = self._spec_decoder(config, progress) if spec is not None else None
         self.requests: dict[str, list[Request]] = {}  # request id -> its n samples
         self.num_kv_imports = 0
         self._touched: set[str] = set()  # requests changed outside a step (an import), reported next step
         self._ids = itertools.count()
+
+    def _spec_decoder(self, config: EngineConfig, progress: bool) -> SpecDecoder:
+        spec = config.speculative
+        assert spec is not None
+        draft = None
+        if spec.method == "mtp":
+            raise ValueError(f"speculative method mtp: {self.model_config.architecture} has no MTP layers baton runs")
+        if spec.method == "draft_model":
+            from baton.spec.draft_model import DraftModelProposer
+
+            draft = DraftModelProposer(config, self.model_config, progress)
+        return SpecDecoder(spec, draft, self.structured.allowed_drafts)
 
     @staticmethod
     def _generation_eos(path) -> set[int]:
@@ -196,6 +212,8 @@ class LLMEngine:
         spec = req.params.structured_outputs
         if spec is not None:
             req.matcher = self.structured.matcher(spec)
+        if self.spec is not None and req.sampling_seed is None:  # drafts and verification share its noise
+            req.sampling_seed = int(torch.randint(1 << 62, ()))
 
     def _bad_words_token_ids(self, words: list[str] | None) -> list[list[int]]:
         """Each bad word as token ids, with and without a leading space (as vLLM bans them)."""
@@ -227,6 +245,8 @@ class LLMEngine:
         for req in self.requests.pop(request_id, []):
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
+        if self.spec is not None and self.spec.draft is not None:
+            self.spec.draft.release({r.request_id for r in self.scheduler.running})
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._touched)
@@ -250,56 +270,78 @@ class LLMEngine:
     def _execute(self, batch: SchedulerOutput) -> list[RequestOutput]:
         # the masks of constrained rows that sample this step, computed while the model runs
         constrained = [
-            s.request
+            (s.request, s.spec_token_ids)
             for s in batch.scheduled
-            if s.request.matcher is not None and s.start + s.num_new_tokens == s.request.num_tokens
+            if s.request.matcher is not None and s.start + s.num_new_tokens >= s.request.num_tokens
         ]
         masks = self.structured.start_masks(constrained) if constrained else None
         out = self.runner.execute(batch)
         for s in batch.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
             r = s.request
+            r.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)  # drafts count once accepted
             self.kv.cache_blocks(r.request_id, r.token_ids, r.num_computed_tokens, r.cache_salt)
         for rid, (a, b) in out.prompt_rows.items():
             self._record_prompt_logprobs(
                 next(s for s in batch.scheduled if s.request.request_id == rid), out.logits[a:b]
             )
-        to_sample = [s.request for s in batch.scheduled if s.request.request_id in out.sample_rows]
+        to_sample = [s for s in batch.scheduled if s.request.request_id in out.sample_rows]
         if to_sample:
-            rows = [out.sample_rows[r.request_id] for r in to_sample]
+            rows, reqs, offsets = [], [], []
+            for s in to_sample:
+                first = out.sample_rows[s.request.request_id]
+                for j in range(len(s.spec_token_ids) + 1):
+                    rows.append(first + j)
+                    reqs.append(s.request)
+                    offsets.append(j)
             logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[torch.tensor(rows)]
-            result = sample(logits, to_sample, masks.result() if masks is not None else None)
-            for i, req in enumerate(to_sample):
-                if result.dead[i]:  # its grammar, allowed_token_ids, bad words, ... left no token
-                    why = (
-                        req.matcher.get_error()
-                        if req.matcher is not None and req.matcher.is_error()
-                        else "none is left"
-                    )
-                    req.error = (
-                        f"no token satisfies the request's constraints (structured output, allowed tokens): {why}"
-                    )
-                    self.scheduler.finish(req, "stop")
-                    continue
-                if req.export_kv is not None and req.num_output_tokens == 0:
-                    span = export_span(
-                        self.kv,
-                        self.storage,
-                        self.fingerprint,
-                        req.request_id,
-                        req.prompt_token_ids,
-                        result.token_ids[i],
-                        req.export_kv,
-                        self.states,
-                    )
-                    req.kv_span = wire.encode(span, self.kv_secret)
-                self.output.append_token(req, result.token_ids[i], result.logprobs[i], result.sampled_logprobs[i])
-                if req.export_kv is not None and not req.is_finished:
-                    self.scheduler.finish(req, "length")  # a prefill-only request ends at its first token
+            result = sample(logits, reqs, masks.result() if masks is not None else None, offsets)
+            with self.scheduler.keep_blocks():
+                i = 0
+                for s in to_sample:
+                    n = len(s.spec_token_ids) + 1
+                    if n == 1 or result.dead[i]:
+                        self._take_token(s.request, result, i)
+                    else:
+                        rows_of = slice(i, i + n)
+                        accepted = accept_drafts(
+                            s,
+                            result.token_ids[rows_of],
+                            result.logprobs[rows_of],
+                            result.sampled_logprobs[rows_of],
+                            self.output,
+                            self.kv,
+                            self.states,
+                        )
+                        self.spec.record(s.request, n - 1, accepted)
+                    i += n
         for s in batch.scheduled:
             if not s.request.is_finished and s.request.export_kv is None:  # exports keep every position
                 self.kv.remove_skipped_blocks(s.request.request_id, s.request.num_computed_tokens)
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         return self._outputs(batch)
+
+    def _take_token(self, req: Request, result, i: int) -> None:
+        if result.dead[i]:  # its grammar, allowed_token_ids, bad words, ... left no token
+            why = req.matcher.get_error() if req.matcher is not None and req.matcher.is_error() else "none is left"
+            req.error = f"no token satisfies the request's constraints (structured output, allowed tokens): {why}"
+            self.scheduler.finish(req, "stop")
+            return
+        if req.export_kv is not None and req.num_output_tokens == 0:
+            span = export_span(
+                self.kv,
+                self.storage,
+                self.fingerprint,
+                req.request_id,
+                req.prompt_token_ids,
+                result.token_ids[i],
+                req.export_kv,
+                self.states,
+            )
+            req.kv_span = wire.encode(span, self.kv_secret)
+        self.output.append_token(req, result.token_ids[i], result.logprobs[i], result.sampled_logprobs[i])
+        if req.export_kv is not None and not req.is_finished:
+            self.scheduler.finish(req, "length")  # a prefill-only request ends at its first token
 
     def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
         """Float32 logits at every prompt position, computed by the ordinary scheduled path."""

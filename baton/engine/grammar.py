@@ -33,9 +33,11 @@ class GrammarError(ValueError):
 
 @dataclass
 class StepMasks:
-    """The masks of one step's constrained rows: bitmask[i] is for requests[i]."""
+    """The masks of one step's constrained rows: bitmask[i] is for requests[i] at its sample row
+    offsets[i] (0: its next token; j: after its first j drafts)."""
 
     requests: list  # the Requests, in row order of `bitmask`
+    offsets: list[int]
     bitmask: torch.Tensor  # int32 [len(requests), ceil(vocab / 32)]
 
 
@@ -95,19 +97,38 @@ class StructuredOutputs:
         with self._lock:
             return template.deep_copy()
 
-    def start_masks(self, requests: list) -> Future[StepMasks]:
-        """The masks of `requests` (each with a matcher), computed on the worker thread."""
-        return self._pool.submit(self._compute, list(requests))
+    def start_masks(self, entries: list[tuple]) -> Future[StepMasks]:
+        """The masks of (request with a matcher, its drafts) pairs, computed on the worker thread: one
+        for its next token and one after each draft (the matcher steps through them and back)."""
+        return self._pool.submit(self._compute, list(entries))
 
-    def _compute(self, requests: list) -> StepMasks:
+    def _compute(self, entries: list[tuple]) -> StepMasks:
         start = time.perf_counter()
+        requests, offsets = [], []
+        for req, drafts in entries:
+            requests += [req] * (len(drafts) + 1)
+            offsets += range(len(drafts) + 1)
         bitmask = torch.full((len(requests), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        for i, req in enumerate(requests):
-            row = bitmask[i]
-            req.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        i = 0
+        for req, drafts in entries:
+            for j in range(len(drafts) + 1):
+                row = bitmask[i]
+                req.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+                i += 1
+                if j < len(drafts) and not req.matcher.consume_token(drafts[j]):
+                    raise AssertionError("a draft the grammar forbids reached verification")
+            if drafts:
+                req.matcher.rollback(len(drafts))
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
-        return StepMasks(requests, bitmask)
+        return StepMasks(requests, offsets, bitmask)
+
+    @staticmethod
+    def allowed_drafts(req, drafts: list[int]) -> list[int]:
+        """`drafts` cut at the first token the request's grammar forbids there."""
+        if req.matcher is None or not drafts:
+            return drafts
+        return drafts[: req.matcher.validate_tokens(drafts)]
 
 
 def apply_token_bitmask_(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ from baton.ops import ops
 @dataclass
 class ModelOutput:
     logits: torch.Tensor  # [rows, vocab] float32
-    sample_rows: dict[str, int]  # request id -> row of its next-token logits
+    sample_rows: dict[str, int]  # request id -> row of its next-token logits (then one per draft)
     prompt_rows: dict[str, tuple[int, int]]  # request id -> rows [start, end) of its chunk's logits
 
 
@@ -43,10 +43,12 @@ class ModelRunner:
             table = self.kv.block_tables[s.request.request_id][group.group_id]
             end = s.start + s.num_new_tokens
             kv_start = 0 if window is None else max(0, s.start - window + 1)
-            if s.num_new_tokens == 1:
-                slot_parts.append([table[s.start // bs] * bs + s.start % bs])
-                decodes.append((table[kv_start // bs : (end + bs - 1) // bs], kv_start % bs, end - kv_start))
-                row += 1
+            if s.is_decode:  # a verified draft reads exactly what a decode at its position would
+                for pos in range(s.start, end):
+                    lo = 0 if window is None else max(0, pos - window + 1)
+                    slot_parts.append([table[pos // bs] * bs + pos % bs])
+                    decodes.append((table[lo // bs : pos // bs + 1], lo % bs, pos + 1 - lo))
+                row += s.num_new_tokens
                 continue
             kv_pos = np.arange(kv_start, end)
             kv_slots = np.asarray(table, dtype=np.int64)[kv_pos // bs] * bs + kv_pos % bs
@@ -95,8 +97,11 @@ class ModelRunner:
                     self.states.reset(slot)
                 else:
                     self.states.restore(slot, cid)
+            slot = self.kv.state_slots[rid]
             snaps = [(p - s.start, cid) for p, cid in self.kv.pending_snapshots.get(rid, [])]
-            seqs.append(RecurrentSeq(row, row + s.num_new_tokens, self.kv.state_slots[rid], snaps))
+            # the state after each verify row but the last: the accepted one is committed after sampling
+            snaps += [(j + 1, self.states.scratch(slot, j)) for j in range(len(s.spec_token_ids))]
+            seqs.append(RecurrentSeq(row, row + s.num_new_tokens, slot, sorted(snaps)))
             row += s.num_new_tokens
         return StateMetadata(seqs)
 
@@ -108,9 +113,13 @@ class ModelRunner:
         row = 0
         for s in batch.scheduled:
             req, end = s.request, s.start + s.num_new_tokens
-            input_ids.extend(req.token_ids[s.start : end])
+            input_ids.extend(req.token_ids[s.start : end - len(s.spec_token_ids)])
+            input_ids.extend(s.spec_token_ids)
             positions.append(np.arange(s.start, end))
-            if req.needs_prompt_logits:
+            if s.spec_token_ids:  # every row samples: the last token's next and each draft's
+                sample_rows[req.request_id] = len(logit_rows)
+                logit_rows.extend(range(row, row + s.num_new_tokens))
+            elif req.needs_prompt_logits:
                 prompt_rows[req.request_id] = (len(logit_rows), len(logit_rows) + s.num_new_tokens)
                 logit_rows.extend(range(row, row + s.num_new_tokens))
                 if end == req.num_tokens:

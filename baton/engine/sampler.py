@@ -92,6 +92,14 @@ def noise_seed(seed: int, index: int, position: int) -> int:
     return x
 
 
+def noise_generator(req: Request, position: int) -> torch.Generator | None:
+    """The generator of a request's noise at output position `position`; None (the global one) for
+    an unseeded request that never speculates."""
+    if req.sampling_seed is None:
+        return None
+    return torch.Generator().manual_seed(noise_seed(req.sampling_seed, req.index, position))
+
+
 def _apply_filters(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Top-k, top-p and min-p, applied to already temperature-scaled logits."""
     sorted_logits, sorted_ids = logits.sort(dim=1, descending=True)
@@ -111,23 +119,30 @@ def _apply_filters(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
 
-def sample(logits: torch.Tensor, reqs: list[Request], grammar: StepMasks | None = None) -> SampleResult:
-    """`logits`: [len(reqs), vocab] float32, one row per request that takes a token this step;
-    `grammar`: the token masks of the requests among them with structured outputs. Logprobs are
-    the model's (before any mask, penalty or temperature), as vLLM reports them."""
+def sample(
+    logits: torch.Tensor, reqs: list[Request], grammar: StepMasks | None = None, offsets: list[int] | None = None
+) -> SampleResult:
+    """`logits`: [len(reqs), vocab] float32, one row per token to choose; `offsets[i]`: which of
+    its request's next tokens row i chooses (0 unless it verifies drafts: j is the token after
+    the request's first j drafts, whose noise is that output position's); `grammar`: the token
+    masks of the constrained rows. Logprobs are the model's (before any mask, penalty or
+    temperature), as vLLM reports them. Penalties and bad words read the request's own output
+    only: requests with them are never given drafts."""
+    offsets = offsets or [0] * len(reqs)
     raw_logprobs = None
     if any(r.logprobs is not None for r in reqs):
         raw_logprobs = logits.log_softmax(dim=1)
     logits = logits.clone()
     if grammar is not None:
-        index = {id(r): i for i, r in enumerate(reqs)}
-        apply_token_bitmask_(logits, [index[id(r)] for r in grammar.requests], grammar.bitmask)
+        index = {(id(r), j): i for i, (r, j) in enumerate(zip(reqs, offsets))}
+        rows = [index[(id(r), j)] for r, j in zip(grammar.requests, grammar.offsets)]
+        apply_token_bitmask_(logits, rows, grammar.bitmask)
     if any(r.params.uses_penalties for r in reqs):
         _apply_penalties(logits, reqs)
     if any(r.params.logit_bias or r.params.allowed_token_ids is not None or r.bad_words_token_ids for r in reqs):
         _apply_token_constraints(logits, reqs)
     for i, req in enumerate(reqs):
-        if req.num_output_tokens < req.params.min_tokens and req.stop_token_ids:
+        if req.num_output_tokens + offsets[i] < req.params.min_tokens and req.stop_token_ids:
             logits[i, list(req.stop_token_ids)] = float("-inf")
     dead = (~torch.isfinite(logits).any(dim=1)).tolist()
     chosen = logits.argmax(dim=1)
@@ -143,11 +158,8 @@ def sample(logits: torch.Tensor, reqs: list[Request], grammar: StepMasks | None 
         # Exponential race (argmax p / E, E ~ Exp(1)) is a draw from p; each seeded request
         # draws its own noise, so its tokens do not depend on the rest of the batch.
         noise = torch.empty_like(probs)
-        for j, r in enumerate(sub):
-            generator = None
-            if r.params.seed is not None:
-                generator = torch.Generator().manual_seed(noise_seed(r.params.seed, r.index, r.num_output_tokens))
-            noise[j].exponential_(generator=generator)
+        for j, (i, r) in enumerate(zip(random_rows, sub)):
+            noise[j].exponential_(generator=noise_generator(r, r.num_output_tokens + offsets[i]))
         chosen[idx] = (probs / noise).argmax(dim=1)
     sampled_lp = [0.0] * len(reqs)
     position_logprobs: list[PositionLogprobs | None] = [None] * len(reqs)

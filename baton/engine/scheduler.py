@@ -4,6 +4,8 @@ all under one token budget per step; preempt the newest request when KV runs out
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from baton.config import SchedulerConfig
@@ -18,6 +20,12 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start: int  # num_computed_tokens when scheduled
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts after the request's last token
+
+    @property
+    def is_decode(self) -> bool:
+        """Each row a decode of one position (drafts verify as decodes at successive positions)."""
+        return self.num_new_tokens == 1 or bool(self.spec_token_ids)
 
 
 @dataclass
@@ -42,6 +50,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         self.prefix_lost_tokens = 0  # the paged groups had them, but no state checkpoint was there
         self.group_hit_tokens = dict.fromkeys(group_labels(kv.spec), 0)  # tokens each group served from cache
+        self._kept: list[str] | None = None  # requests finished inside keep_blocks
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -56,6 +65,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts, req.spec_token_ids = req.spec_token_ids, []
+            if num_new == 1 and drafts:  # the bonus token and every accepted draft must fit max_len
+                drafts = drafts[: max(0, min(budget - 1, req.max_len - req.num_tokens - 1))]
+                num_new += len(drafts)
+            else:
+                drafts = []
             scheduled = True
             while not self.kv.allocate_slots(
                 req.request_id, req.token_ids, req.num_computed_tokens, num_new, salt=req.cache_salt
@@ -68,12 +83,12 @@ class Scheduler:
                     break
             if not scheduled:
                 break
-            out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
+            out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens, drafts))
             budget -= num_new
             i += 1
         if not out.preempted:
             self._admit_waiting(out, budget)
-        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # decodes first: the runner batches them
+        out.scheduled.sort(key=lambda s: not s.is_decode)  # decodes first: the runner batches them
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -142,14 +157,31 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:
-        """Remove a request wherever it is and give its blocks back."""
+        """Remove a request wherever it is and give its blocks back (inside `keep_blocks`, when
+        that ends)."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req.request_id)
+        if self._kept is not None:
+            self._kept.append(req.request_id)
+        else:
+            self.kv.free(req.request_id)
+
+    @contextmanager
+    def keep_blocks(self) -> Iterator[None]:
+        """Requests finished inside keep their blocks until it ends: the step that finished them
+        still publishes what its forward computed (accepted drafts are known only after the tokens
+        join, and a token may end the request)."""
+        self._kept = []
+        try:
+            yield
+        finally:
+            kept, self._kept = self._kept, None
+            for rid in kept:
+                self.kv.free(rid)
 
 
 def group_labels(spec: KVSpec) -> list[str]:

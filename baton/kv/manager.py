@@ -225,9 +225,34 @@ class KVManager:
             table.extend([NULL_BLOCK] * (first_needed - len(table)))
             table.extend(self.pools[g.group_id].allocate(num_new))
         if self.spec.has_state and self.checkpoints.num_checkpoints:
-            self._scheduled[request_id] = (token_ids, start, end, salt)
-            self._plan_snapshots(request_id, token_ids, start, end, salt)
+            known = min(end, len(token_ids))  # positions past the tokens hold drafts: no boundary there yet
+            self._scheduled[request_id] = (token_ids, start, known, salt)
+            self._plan_snapshots(request_id, token_ids, start, known, salt)
         return True
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Return the blocks past position num_tokens - 1 (they held rejected drafts)."""
+        tables = self.block_tables.get(request_id)
+        if tables is None:
+            return
+        keep = -(-num_tokens // self.block_size)
+        for pool, table in zip(self.pools, tables):
+            tail = [b for b in reversed(table[keep:]) if b != NULL_BLOCK]
+            del table[keep:]
+            if tail:
+                pool.free(tail)
+
+    def plan_accepted_snapshots(
+        self, request_id: str, token_ids: Sequence[int], start: int, end: int, salt: bytes = b""
+    ) -> list[tuple[int, int]]:
+        """Checkpoints to take at the boundaries in (start, end] that accepted drafts crossed (the
+        forward could not plan them: the tokens were not known). Returns (num_tokens, checkpoint id)
+        for the caller to fill before `cache_blocks` publishes them."""
+        if not (self.spec.has_state and self.checkpoints.num_checkpoints) or end <= start:
+            return []
+        before = set(self.pending_snapshots.get(request_id, []))
+        self._plan_snapshots(request_id, token_ids, start, end, salt)
+        return [p for p in self.pending_snapshots.get(request_id, []) if p not in before]
 
     # ---- recurrent state -----------------------------------------------------------------------
     def _take_slot(self, request_id: str, token_ids: Sequence[int], num_cached_tokens: int) -> None:

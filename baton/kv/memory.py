@@ -28,8 +28,9 @@ class CacheMemory:
 
 
 def build_cache_memory(
-    mc: TextModelConfig, cache: CacheConfig, sched: SchedulerConfig, kv_dtype: torch.dtype
+    mc: TextModelConfig, cache: CacheConfig, sched: SchedulerConfig, kv_dtype: torch.dtype, drafts_per_slot: int = 0
 ) -> CacheMemory:
+    """`drafts_per_slot`: speculative decoding's k (recurrent layers keep a state per verified draft)."""
     spec = KVSpec.build(mc.layer_kinds, mc.num_kv_heads, mc.head_dim, cache.block_size)
     sizes = size_kv_pools(
         spec,
@@ -54,7 +55,7 @@ def build_cache_memory(
         spec,
         kv,
         KVStorage(spec, num_blocks, kv_dtype, cache.kv_layout),
-        StateStorage(spec, sizes.num_state_slots, num_checkpoints),
+        StateStorage(spec, sizes.num_state_slots, num_checkpoints, drafts_per_slot=drafts_per_slot),
         max_len,
     )
     _log(memory, cache)

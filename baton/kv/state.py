@@ -20,8 +20,15 @@ class StateStorage:
     """Per state group and state tensor: running [layers, slots, *shape], checkpoints
     [layers, checkpoints, *shape]. Readers get per-layer views from `layer`."""
 
-    def __init__(self, spec: KVSpec, num_slots: int, num_checkpoints: int, device: str = "cpu") -> None:
+    def __init__(
+        self, spec: KVSpec, num_slots: int, num_checkpoints: int, device: str = "cpu", drafts_per_slot: int = 0
+    ) -> None:
+        """`drafts_per_slot`: speculative decoding's k; each slot then has k scratch snapshots after
+        the checkpoints, the state after each verified draft, one of which is committed."""
         self.spec = spec
+        self.num_checkpoints = num_checkpoints
+        self.drafts_per_slot = drafts_per_slot
+        rows = num_checkpoints + num_slots * drafts_per_slot
         self.running: list[list[torch.Tensor]] = []
         self.checkpoints: list[list[torch.Tensor]] = []
         for g in spec.state_groups:
@@ -30,8 +37,18 @@ class StateStorage:
                 [torch.zeros((n, num_slots, *s), dtype=STATE_DTYPE, device=device) for s in g.state_shapes]
             )
             self.checkpoints.append(
-                [torch.zeros((n, num_checkpoints, *s), dtype=STATE_DTYPE, device=device) for s in g.state_shapes]
+                [torch.zeros((n, rows, *s), dtype=STATE_DTYPE, device=device) for s in g.state_shapes]
             )
+
+    def scratch(self, slot: int, row: int) -> int:
+        """The checkpoint index of a slot's snapshot after verify row `row` (0 <= row < k)."""
+        assert 0 <= row < self.drafts_per_slot
+        return self.num_checkpoints + slot * self.drafts_per_slot + row
+
+    def copy_checkpoint(self, src: int, dst: int) -> None:
+        for tensors in self.checkpoints:
+            for t in tensors:
+                t[:, dst].copy_(t[:, src])
 
     def layer(self, layer_id: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A layer's running state tensors [slots, *shape] and its checkpoint tensors [checkpoints, *shape]."""
@@ -49,6 +66,11 @@ class StateStorage:
         for run, ckpt in zip(self.running, self.checkpoints):
             for r, c in zip(run, ckpt):
                 r[:, slot].copy_(c[:, checkpoint])
+
+    def save(self, slot: int, checkpoint: int) -> None:
+        for run, ckpt in zip(self.running, self.checkpoints):
+            for r, c in zip(run, ckpt):
+                c[:, checkpoint].copy_(r[:, slot])
 
     def read_slot(self, slot: int) -> list[list[torch.Tensor]]:
         """Copies of a slot's state: per state group, per state tensor, [layers, *shape]."""

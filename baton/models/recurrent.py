@@ -26,7 +26,7 @@ class RecurrentSeq:
     q_start: int
     q_end: int
     slot: int
-    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (rows from q_start, checkpoint id)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (rows from q_start, checkpoint id), sorted
 
 
 @dataclass
@@ -39,18 +39,21 @@ class Segment:
     lo: int
     hi: int
     slot: int
-    checkpoint: int | None  # where to copy the state after row hi - 1, if anywhere
+    checkpoints: tuple[int, ...]  # where to copy the state after row hi - 1
 
 
 def segments(meta: StateMetadata) -> Iterator[Segment]:
     for seq in meta.seqs:
         lo = seq.q_start
+        cuts: dict[int, list[int]] = {}
         for rows, cid in seq.snapshots:
+            cuts.setdefault(rows, []).append(cid)
+        for rows, cids in cuts.items():
             hi = seq.q_start + rows
-            yield Segment(lo, hi, seq.slot, cid)
+            yield Segment(lo, hi, seq.slot, tuple(cids))
             lo = hi
         if lo < seq.q_end:
-            yield Segment(lo, seq.q_end, seq.slot, None)
+            yield Segment(lo, seq.q_end, seq.slot, ())
 
 
 def causal_conv1d(
@@ -91,8 +94,8 @@ def conv_over_segments(
     out = torch.empty_like(x)
     for s in segs:
         out[s.lo : s.hi] = causal_conv1d(x[s.lo : s.hi], conv_state[s.slot], weight, bias)
-        if s.checkpoint is not None:
-            conv_checkpoints[s.checkpoint].copy_(conv_state[s.slot])
+        for cid in s.checkpoints:
+            conv_checkpoints[cid].copy_(conv_state[s.slot])
     return out
 
 
@@ -111,6 +114,6 @@ def scan_over_segments(
     for s in segs:
         rows = slice(s.lo, s.hi)
         out[rows] = scan(q[rows], k[rows], v[rows], decay[rows], None if beta is None else beta[rows], state[s.slot])
-        if s.checkpoint is not None:
-            checkpoints[s.checkpoint].copy_(state[s.slot])
+        for cid in s.checkpoints:
+            checkpoints[cid].copy_(state[s.slot])
     return out

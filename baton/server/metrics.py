@@ -83,6 +83,8 @@ class EngineCollector:
             "Time computing token masks (beside the model's forward)",
             value=so.mask_seconds,
         )
+        if e.spec is not None:
+            yield from _spec_metrics(e.spec)
         yield CounterMetricFamily(
             "baton_engine_step_failures",
             "Engine steps that raised (their requests failed; the engine went on)",
@@ -91,6 +93,27 @@ class EngineCollector:
         yield GaugeMetricFamily(
             "baton_engine_alive", "1 while the engine loop runs, 0 once it stopped or died", value=int(a.running)
         )
+
+
+def _spec_metrics(spec):
+    """vLLM's names: vllm:spec_decode_num_drafts and so on."""
+    yield CounterMetricFamily(
+        "baton_spec_decode_num_drafts", "Verifications with at least one draft", value=spec.num_drafts
+    )
+    yield CounterMetricFamily(
+        "baton_spec_decode_num_draft_tokens", "Draft tokens verified", value=spec.num_draft_tokens
+    )
+    yield CounterMetricFamily(
+        "baton_spec_decode_num_accepted_tokens", "Draft tokens accepted", value=spec.num_accepted_tokens
+    )
+    per_position = CounterMetricFamily(
+        "baton_spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by their position in the draft",
+        labels=["position"],
+    )
+    for i, n in enumerate(spec.accepted_per_position):
+        per_position.add_metric([str(i)], n)
+    yield per_position
 
 
 class ServerMetrics:

@@ -1,0 +1,290 @@
+"""Speculative decoding on and off, baton and llama.cpp's llama-server side by side, on SmolLM2 as
+shipped (Q4_1) with an input-grounded workload: rewrite a given passage, edit a given piece of code.
+
+    python bench/spec_decode.py [--repeats 3] [--output-len 128] [--k 4] [--peers baton llama.cpp]
+
+Servers, one at a time, each computing on the same 2 cores:
+  baton            no speculation
+  baton ngram      --speculative-config {"method": "ngram", ...} (prompt lookup)
+  baton draft      {"method": "draft_model"} with the target requantized to Q4_0 by llama-quantize
+  llama.cpp        no speculation
+  llama.cpp ngram  --spec-type ngram-simple (its prompt lookup)
+  llama.cpp draft  --spec-type draft-simple --model-draft on the same Q4_0 file
+
+Every round runs each workload on every server in turn (greedy, ignore_eos, streamed); the table
+shows medians of the rounds and each speculating server's ratio to its own server without
+speculation. Then a c8 workload whose prompts share a long system prompt: baton's prefix-cache hit
+tokens with each method against none. Each baton server's acceptance per draft position comes
+from its /metrics (baton_spec_decode_*); llama-server's from the acceptance lines it logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peer_servers import CORES, Server, inherited_env, llama_cpp_binary, start_server, stop_servers  # noqa: E402
+
+from baton.bench.serve import _stats, one_request  # noqa: E402
+from baton.config import EnvSettings  # noqa: E402
+from baton.models.loader import resolve_model_path  # noqa: E402
+from baton.tokenizer import apply_chat_template, load_tokenizer  # noqa: E402
+
+MODEL = "smollm2-135m"
+PASSAGES = [
+    "The river ran past the old mill, under the stone bridge and on to the harbor, where the fishing boats "
+    "waited for the morning tide. Every spring the water rose over the lower fields, and every summer the "
+    "children of the village waded across it to the island of willows, where the herons nested.",
+    "Our team measured the time each request spent waiting in the queue, the time to its first token, and "
+    "the time between tokens after that. The median stayed flat as the load grew, but the tail did not: "
+    "past sixteen concurrent requests, one request in a hundred waited longer than a second.",
+    "To reset the device, hold the power button for ten seconds until the light turns orange, then release "
+    "it and press it once more. The device restarts with its factory settings; your saved networks and "
+    "paired accessories are removed, and you will need to set them up again.",
+    "The library opens at nine on weekdays and at ten on Saturdays. Books may be borrowed for three weeks "
+    "and renewed twice, online or at the desk, unless another reader has reserved them. Late returns cost "
+    "twenty cents a day, up to the price of the book.",
+]
+CODE = [
+    (
+        "total",
+        "count",
+        "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+        "    return total / len(values)\n\n\n"
+        "def variance(values):\n    m = mean(values)\n    total = 0\n    for v in values:\n"
+        "        total += (v - m) ** 2\n    return total / len(values)\n",
+    ),
+    (
+        "items",
+        "entries",
+        "class Cart:\n    def __init__(self):\n        self.items = []\n\n    def add(self, name, price):\n"
+        "        self.items.append((name, price))\n\n    def total(self):\n"
+        "        return sum(price for _, price in self.items)\n\n    def clear(self):\n        self.items = []\n",
+    ),
+]
+SYSTEM = "You are a careful assistant for a public library. " * 30  # the shared system prompt
+
+
+def grounded_prompts(tokenizer, n: int) -> list[list[int]]:
+    """n distinct chat prompts that ask for text the prompt already holds (rewrites and edits)."""
+    asks = []
+    for p in PASSAGES:
+        asks.append(f"Rewrite the following passage word for word, fixing only spelling mistakes:\n\n{p}")
+        asks.append(f"Copy this paragraph exactly, then add one sentence at the end:\n\n{p}")
+    for old, new, code in CODE:
+        asks.append(f"Rename the variable `{old}` to `{new}` in this code and print the whole code:\n\n{code}")
+    out = []
+    for i in range(n):
+        message = f"Task {i + 1}. {asks[i % len(asks)]}"
+        out.append(apply_chat_template(tokenizer, [{"role": "user", "content": message}]))
+    return out
+
+
+def system_prompts(tokenizer, n: int) -> list[list[int]]:
+    questions = ["When do you open?", "How long may I keep a book?", "What does a late return cost?", "Hello!"]
+    return [
+        apply_chat_template(
+            tokenizer,
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{questions[i % 4]} ({i})"}],
+        )
+        for i in range(n)
+    ]
+
+
+WORKLOADS = [("c1", 4, 1), ("c8", 16, 8), ("c32", 64, 32)]  # (name, prompts, concurrency)
+
+
+async def run_prompts(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+    limit = asyncio.Semaphore(concurrency)
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=1800)) as session:
+
+        async def limited(prompt):
+            async with limit:
+                return await one_request(session, f"{url}/v1/completions", MODEL, prompt, output_len, {})
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(limited(p) for p in prompts))
+        duration = time.perf_counter() - start
+    ok = [r for r in results if r.ok]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "output_throughput": sum(r.output_tokens for r in ok) / duration,
+        "tpot_ms": _stats(tpot)["median"],
+        "ttft_ms": _stats([r.ttft for r in ok])["median"],
+        "failed": len(results) - len(ok),
+    }
+
+
+def metrics(url: str) -> dict[str, float]:
+    """baton's /metrics: each sample's value by its name and labels."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def acceptance(before: dict, after: dict, k: int) -> str:
+    delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+    drafts = delta.get("baton_spec_decode_num_drafts_total", 0.0)
+    if not drafts:
+        return "no drafts"
+    key = 'baton_spec_decode_num_accepted_tokens_per_pos_total{{position="{}"}}'
+    per_pos = [delta.get(key.format(i), 0.0) for i in range(k)]
+    accepted = delta.get("baton_spec_decode_num_accepted_tokens_total", 0.0)
+    proposed = delta.get("baton_spec_decode_num_draft_tokens_total", 0.0)
+    return (
+        f"mean acceptance length {1 + accepted / drafts:.2f}; accepted {accepted:.0f} of {proposed:.0f} drafted; "
+        f"per position {', '.join(f'{a / drafts:.2f}' for a in per_pos)}"
+    )
+
+
+def llama_acceptance(log: Path) -> str:
+    """llama-server logs each finished slot's draft acceptance: summed over the run."""
+    accepted = generated = 0
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.search(r"draft acceptance rate = [\d.]+ \(\s*(\d+) accepted /\s*(\d+) generated\)", line)
+        if m:
+            accepted += int(m.group(1))
+            generated += int(m.group(2))
+    return f"accepted {accepted} of {generated} drafted" if generated else "no acceptance lines in its log"
+
+
+def q4_0_draft(cache: Path, target: Path) -> Path:
+    """The target requantized to Q4_0 by llama.cpp's llama-quantize, made once: the draft both use."""
+    out = cache / "peers" / "gguf" / f"{MODEL}-q4_0.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        quantize = llama_cpp_binary(cache, "llama-quantize")
+        cmd = [str(quantize), "--allow-requantize", str(target), str(out), "Q4_0", str(CORES)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return out
+
+
+def server_specs(k: int, draft: Path, peers: list[str]) -> list[tuple[str, str, list[str]]]:
+    """(label, peer, extra flags) of every server, in run order."""
+    ngram = {"method": "ngram", "num_speculative_tokens": k}
+    drafted = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+    specs = []
+    if "baton" in peers:
+        specs += [
+            ("baton", "baton", []),
+            ("baton ngram", "baton", ["--speculative-config", json.dumps(ngram)]),
+            ("baton draft", "baton", ["--speculative-config", json.dumps(drafted)]),
+        ]
+    if "llama.cpp" in peers:
+        specs += [
+            ("llama.cpp", "llama.cpp", []),
+            (
+                "llama.cpp ngram",
+                "llama.cpp",
+                ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]
+                + ["--spec-ngram-simple-size-m", str(k)],
+            ),
+            (
+                "llama.cpp draft",
+                "llama.cpp",
+                ["--spec-type", "draft-simple", "--model-draft", str(draft), "--spec-draft-n-max", str(k)],
+            ),
+        ]
+    return specs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (llama.cpp: the most drafted)")
+    ap.add_argument("--peers", nargs="+", default=["baton", "llama.cpp"], choices=["baton", "llama.cpp"])
+    args = ap.parse_args()
+    cache = EnvSettings.read().cache_dir
+    scratch = cache / "peers" / "scratch"
+    scratch.mkdir(parents=True, exist_ok=True)
+    target = resolve_model_path(MODEL)
+    draft = q4_0_draft(cache, target)
+    tokenizer = load_tokenizer(target, cache)
+    prompts = {name: grounded_prompts(tokenizer, n) for name, n, _ in WORKLOADS}
+    results: dict[tuple[str, str], list[dict]] = {}
+    notes: dict[str, str] = {}
+    hits: dict[str, float] = {}
+    settings: list[str] = []
+    for label, peer, extra in server_specs(args.k, draft, args.peers):
+        log = scratch / f"spec-{label.replace(' ', '-')}.log"
+        try:
+            server: Server = start_server(peer, MODEL, target, cache, log, extra, label)
+        except (RuntimeError, subprocess.CalledProcessError) as e:
+            print(f"{label} did not start ({e}); see {log}", flush=True)
+            continue
+        try:
+            settings.append(server.settings())
+            before = metrics(server.url) if peer == "baton" else {}
+            for repeat in range(args.repeats):
+                for name, _, concurrency in WORKLOADS:
+                    r = asyncio.run(run_prompts(server.url, prompts[name], args.output_len, concurrency))
+                    results.setdefault((name, label), []).append(r)
+                    print(
+                        f"[{name} #{repeat + 1}] {label}: {r['output_throughput']:.1f} tok/s, "
+                        f"TPOT {r['tpot_ms']:.1f} ms, TTFT {r['ttft_ms']:.0f} ms, failed {r['failed']}",
+                        flush=True,
+                    )
+            if peer == "baton":
+                notes[label] = acceptance(before, metrics(server.url), args.k)
+                start = metrics(server.url).get("baton_prefix_cache_hit_tokens_total", 0.0)
+                asyncio.run(run_prompts(server.url, system_prompts(tokenizer, 16), 32, 8))
+                hits[label] = metrics(server.url).get("baton_prefix_cache_hit_tokens_total", 0.0) - start
+            else:
+                notes[label] = llama_acceptance(log)
+        finally:
+            stop_servers([server])
+    labels = list(dict.fromkeys(label for _, label in results))
+    print(
+        f"\nSmolLM2 {target.name} as shipped, {CORES} cores each; greedy, {args.output_len} output tokens, "
+        f"k={args.k}; medians of {args.repeats}"
+    )
+    print(f"{'workload':<10}{'server':<18}{'output tok/s':>14}{'TPOT ms':>10}{'TTFT ms':>10}{'vs off':>8}")
+    goals = {("c1", "baton ngram"): 1.8, ("c1", "baton draft"): 1.4}
+    for name, _, _ in WORKLOADS:
+        for label in labels:
+            runs = results.get((name, label))
+            if not runs:
+                continue
+            tput = statistics.median(r["output_throughput"] for r in runs)
+            base = results.get((name, label.split(" ")[0]))
+            ratio = tput / statistics.median(r["output_throughput"] for r in base) if base and " " in label else None
+            line = f"{name:<10}{label:<18}{tput:>14.1f}{statistics.median(r['tpot_ms'] for r in runs):>10.1f}"
+            line += f"{statistics.median(r['ttft_ms'] for r in runs):>10.0f}"
+            line += f"{ratio:>8.2f}" if ratio is not None else f"{'':>8}"
+            if ratio is not None and label.startswith("baton"):
+                goal = goals.get((name, label), 1.0)
+                line += f"  target >= {goal}x: {'met' if ratio >= goal else 'MISSED'}"
+            print(line)
+    print("\nacceptance (over all rounds)")
+    for label in labels:
+        print(f"  {label:<18}{notes.get(label, '')}")
+    if hits:
+        print("\nshared system prompt, c8, 16 requests: baton prefix-cache hit tokens")
+        for label, n in hits.items():
+            same = "" if label == "baton" else f"  ({'equal to' if n == hits.get('baton') else 'DIFFERS from'} off)"
+            print(f"  {label:<18}{n:>8.0f}{same}")
+    print("\nsettings (variables set over the inherited environment, then the command)")
+    print("\n".join(settings))
+    print(f"  inherited by all: {inherited_env() or 'none of the relevant variables set'}")
+
+
+if __name__ == "__main__":
+    main()
