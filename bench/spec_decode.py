@@ -158,7 +158,7 @@ def llama_acceptance(log: Path) -> str:
     """llama-server logs each finished slot's draft acceptance: summed over the run."""
     accepted = generated = 0
     for line in log.read_text(errors="replace").splitlines():
-        m = re.search(r"draft acceptance rate = [\d.]+ \(\s*(\d+) accepted /\s*(\d+) generated\)", line)
+        m = re.search(r"draft acceptance = [\d.]+ \(\s*(\d+) accepted /\s*(\d+) generated\)", line)
         if m:
             accepted += int(m.group(1))
             generated += int(m.group(2))

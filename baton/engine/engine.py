@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import os
+import time
 
 import torch
 
@@ -275,7 +276,10 @@ class LLMEngine:
             if s.request.matcher is not None and s.start + s.num_new_tokens >= s.request.num_tokens
         ]
         masks = self.structured.start_masks(constrained) if constrained else None
+        start = time.perf_counter()
         out = self.runner.execute(batch)
+        if self.spec is not None and all(s.is_decode for s in batch.scheduled):
+            self.spec.observe_step(batch.num_batched_tokens, time.perf_counter() - start)
         for s in batch.scheduled:
             r = s.request
             r.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)  # drafts count once accepted

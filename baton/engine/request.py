@@ -70,9 +70,9 @@ class Request:
         self.bad_words_token_ids: list[list[int]] = []  # params.bad_words, tokenized by the engine
         self.matcher = None  # structured outputs: the llguidance matcher of params.structured_outputs
         self.error: str | None = None  # why a constrained output ended early
-        # speculative decoding: the drafts the next step verifies, and this request's draft length
+        # speculative decoding: the drafts the next step verifies; its (accepted, tried) drafts, decayed
         self.spec_token_ids: list[int] = []
-        self.num_speculative_tokens = 0
+        self.spec_acceptance = (0.0, 0.0)
         # the seed of this sample's noise: a draft sampled with it agrees with the verify step's
         self.sampling_seed = params.seed
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from baton.models.gemma3 import Gemma3ForCausalLM
+from baton.models.glm4_moe import Glm4MoeForCausalLM
 from baton.models.kimi_linear import KimiLinearForCausalLM
 from baton.models.llama import LlamaForCausalLM
 from baton.models.nemotron_h import NemotronHForCausalLM
@@ -19,6 +20,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }
 
 

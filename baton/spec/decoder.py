@@ -2,14 +2,19 @@
 
 A request drafts only in its decode phase and only when its sampling reads nothing but the
 logits of its own row (penalties and bad words read the output itself, so a draft would change
-them). Each request's k follows what its verifications accepted: all accepted raises it by one
-(up to the configured k), a rejection sets it to one past what was accepted. Above
-`disable_by_batch_size` running requests nobody drafts."""
+them). How far it drafts is a cost decision made each step: a draft row costs what one more row
+of the batch costs, and pays only if its chance of being accepted is at least that cost over
+the cost per token of the batch without drafts. The step costs come from the engine's own
+decode steps (seconds = a + b * rows, least squares over the recent ones), each request's
+acceptance from its own verifications; so a lone request drafts deep, a large batch drafts
+only what is near-certain, and above `disable_by_batch_size` running requests nobody drafts."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections import deque
 
 from baton.config import SpeculativeConfig
 from baton.engine.request import Request
@@ -17,6 +22,47 @@ from baton.spec.ngram import propose_ngram
 
 logger = logging.getLogger(__name__)
 LOG_INTERVAL_S = 10.0
+PRIOR_ACCEPTANCE = 0.7  # a request's acceptance before its first verification, worth PRIOR_WEIGHT drafts
+PRIOR_WEIGHT = 2.0
+DECAY = 0.8  # of a request's acceptance history, per verification
+MARGIN = 1.15  # a draft must beat its cost by this much: step times are noisy, and a wrong guess costs
+
+
+class StepCost:
+    """seconds = a + b * rows of the recent decode-only steps (least squares); until the rows vary
+    enough to tell b from a, b = `prior_ratio` * a."""
+
+    def __init__(self, window: int = 512, prior_ratio: float = 0.2) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.prior_ratio = prior_ratio
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.samples.append((rows, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) in seconds, or None before any step."""
+        n = len(self.samples)
+        if not n:
+            return None
+        mean_r = sum(r for r, _ in self.samples) / n
+        mean_t = sum(t for _, t in self.samples) / n
+        var = sum((r - mean_r) ** 2 for r, _ in self.samples)
+        if n >= 16 and var >= n * 0.25:
+            b = sum((r - mean_r) * (t - mean_t) for r, t in self.samples) / var
+            a = mean_t - b * mean_r
+            if a > 0 and b > 0:
+                return a, b
+        a = mean_t / (1 + self.prior_ratio * mean_r)
+        return a, self.prior_ratio * a
+
+    def threshold(self, batch: int, draft_seconds: float) -> float:
+        """The acceptance a draft needs to pay in a batch of `batch` decodes: its verify row's cost
+        b plus what drafting it cost, over the batch's cost per token (a + b * batch) / batch."""
+        fit = self.fit()
+        if fit is None:
+            return 0.0
+        a, b = fit
+        return min(1.0, MARGIN * (b + draft_seconds) * batch / (a + b * batch))
 
 
 class SpecDecoder:
@@ -30,6 +76,8 @@ class SpecDecoder:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * k
         self._logged = (time.monotonic(), 0, 0, 0, [0] * k)  # when, and the counters then
+        self.cost = StepCost()
+        self.draft_seconds = 0.0  # what proposing one draft token costs (EWMA; n-gram's is nothing)
 
     @property
     def max_k(self) -> int:
@@ -54,25 +102,49 @@ class SpecDecoder:
             for req in running:
                 req.spec_token_ids = []
             return
+        threshold = self.cost.threshold(len(running), self.draft_seconds)
         wanted: list[tuple[Request, int]] = []
         for req in running:
             req.spec_token_ids = []
             if not self.eligible(req):
                 continue
-            if req.num_speculative_tokens == 0:
-                req.num_speculative_tokens = self.max_k
-            k = min(req.num_speculative_tokens, req.max_len - req.num_tokens - 1)
+            k = min(self.draft_length(req, threshold), req.max_len - req.num_tokens - 1)
             if k > 0:
                 wanted.append((req, k))
+            else:  # its history fades back to the prior: it tries again later
+                hits, tries = req.spec_acceptance
+                req.spec_acceptance = (DECAY * hits, DECAY * tries)
         if not wanted:
             return
         if self.draft is not None:
+            start = time.perf_counter()
             proposals = self.draft.propose(wanted)
+            drafted = sum(len(p) for p in proposals)
+            if drafted:
+                per_token = (time.perf_counter() - start) / drafted
+                self.draft_seconds = per_token if not self.draft_seconds else 0.8 * self.draft_seconds + 0.2 * per_token
         else:
             c = self.config
             proposals = [propose_ngram(r.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max) for r, k in wanted]
         for (req, _), drafts in zip(wanted, proposals):
             req.spec_token_ids = self.allowed_drafts(req, drafts) if self.allowed_drafts else drafts
+
+    def draft_length(self, req: Request, threshold: float) -> int:
+        """The most drafts whose chance of acceptance (the request's per-draft rate to the power of
+        the position) still pays `threshold`."""
+        if not self.config.adaptive:
+            return self.max_k
+        hits, tries = req.spec_acceptance
+        rate = (hits + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tries + PRIOR_WEIGHT)
+        if rate >= 1.0 or threshold <= 0.0:
+            return self.max_k
+        if rate <= threshold or rate <= 0.0:
+            return 0
+        return min(self.max_k, int(math.log(threshold) / math.log(rate)))
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step's rows and its forward's seconds: the cost model's data."""
+        self.cost.add(rows, seconds)
 
     def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -80,11 +152,12 @@ class SpecDecoder:
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
-        if self.config.adaptive:
-            if num_accepted == num_drafts:
-                req.num_speculative_tokens = min(self.max_k, req.num_speculative_tokens + 1)
-            else:
-                req.num_speculative_tokens = num_accepted + 1
+        # each draft tried until the first rejection: `num_accepted` hits in as many tries, plus one
+        hits, tries = req.spec_acceptance
+        req.spec_acceptance = (
+            DECAY * hits + num_accepted,
+            DECAY * tries + num_accepted + (num_accepted < num_drafts),
+        )
         if time.monotonic() - self._logged[0] >= LOG_INTERVAL_S:
             self._log()
 
