@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -57,3 +58,12 @@ def apply_chat_template(tok: PreTrainedTokenizerBase | None, messages: list[dict
         raise ValueError("this model has no chat template; send a plain prompt instead")
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tok.encode(text, add_special_tokens=False)
+
+
+def generation_eos_ids(path: Path) -> set[int]:
+    """The eos ids a model directory's generation_config.json adds (HF stops on them too)."""
+    gen = path / "generation_config.json" if path.is_dir() else None
+    if gen is None or not gen.exists():
+        return set()
+    eos = json.loads(gen.read_text()).get("eos_token_id")
+    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -4,7 +4,6 @@ schedule -> run the model -> sample -> update requests, publish blocks, free wha
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import time
@@ -13,11 +12,11 @@ import torch
 
 from baton.config import EngineConfig
 from baton.engine.grammar import StructuredOutputs
-from baton.engine.output_processor import OutputProcessor, request_output
+from baton.engine.output_processor import OutputProcessor, record_prompt_logprobs, request_output
 from baton.engine.request import Request
-from baton.engine.runner import ModelRunner
-from baton.engine.sampler import sample, top_logprobs
-from baton.engine.scheduler import Scheduler, SchedulerOutput
+from baton.engine.runner import ModelOutput, ModelRunner
+from baton.engine.sampler import sample
+from baton.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from baton.handoff import wire
 from baton.handoff.errors import InvalidKVImport
 from baton.handoff.span import model_fingerprint
@@ -30,7 +29,7 @@ from baton.outputs import RequestOutput
 from baton.sampling_params import SamplingParams
 from baton.spec.decoder import SpecDecoder
 from baton.spec.verify import accept_drafts
-from baton.tokenizer import load_tokenizer
+from baton.tokenizer import generation_eos_ids, load_tokenizer
 
 Prompt = str | list[int] | dict
 _PROCESS_KV_SECRET = os.urandom(32)
@@ -75,7 +74,7 @@ class LLMEngine:
         self.kv_secret = config.kv_secret_bytes() or _PROCESS_KV_SECRET
         self.scheduler = Scheduler(sched, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.storage, self.states)
-        self.eos_token_ids = set(mc.eos_token_ids) | self._generation_eos(loaded.path)
+        self.eos_token_ids = set(mc.eos_token_ids) | generation_eos_ids(loaded.path)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
@@ -84,6 +83,7 @@ class LLMEngine:
         self.requests: dict[str, list[Request]] = {}  # request id -> its n samples
         self.num_kv_imports = 0
         self._touched: set[str] = set()  # requests changed outside a step (an import), reported next step
+        self._exports: list[tuple[Request, int]] = []  # prefill-only requests of this step, and their first token
         self._ids = itertools.count()
 
     def _spec_decoder(self, config: EngineConfig, progress: bool) -> SpecDecoder:
@@ -91,20 +91,14 @@ class LLMEngine:
         assert spec is not None
         draft = None
         if spec.method == "mtp":
-            raise ValueError(f"speculative method mtp: {self.model_config.architecture} has no MTP layers baton runs")
+            from baton.spec.mtp import MtpProposer
+
+            draft = MtpProposer(self.model, self.kv, self.storage)
         if spec.method == "draft_model":
             from baton.spec.draft_model import DraftModelProposer
 
             draft = DraftModelProposer(config, self.model_config, progress)
         return SpecDecoder(spec, draft, self.structured.allowed_drafts)
-
-    @staticmethod
-    def _generation_eos(path) -> set[int]:
-        gen = path / "generation_config.json" if path.is_dir() else None
-        if gen is None or not gen.exists():
-            return set()
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
     # ---- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -178,6 +172,11 @@ class LLMEngine:
         self._attach_grammar(req)
         apply_import(self.kv, self.storage, self.states, req.request_id, plan)
         req.num_computed_tokens = len(token_ids)
+        if self.spec is not None and hasattr(self.spec.draft, "imported"):
+            # the MTP drafter needs the target's hidden state at the last prompt position: its first
+            # step computes that position again (the same bits, in the request's own block)
+            req.num_computed_tokens -= 1
+            self.spec.draft.imported(req.request_id, req.num_computed_tokens)
         # imported KV was computed elsewhere (maybe in another dtype): a salt keeps local requests
         # from hitting it in the prefix cache, so a hit never changes a local request's output
         req.cache_salt = b"kv-import:" + plan.source_dtype.encode()
@@ -246,8 +245,11 @@ class LLMEngine:
         for req in self.requests.pop(request_id, []):
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
-        if self.spec is not None and self.spec.draft is not None:
-            self.spec.draft.release({r.request_id for r in self.scheduler.running})
+        if self.spec is not None:
+            self.spec.release(self._live_requests())
+
+    def _live_requests(self) -> set[str]:
+        return {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._touched)
@@ -285,45 +287,63 @@ class LLMEngine:
             r.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)  # drafts count once accepted
             self.kv.cache_blocks(r.request_id, r.token_ids, r.num_computed_tokens, r.cache_salt)
         for rid, (a, b) in out.prompt_rows.items():
-            self._record_prompt_logprobs(
-                next(s for s in batch.scheduled if s.request.request_id == rid), out.logits[a:b]
-            )
+            record_prompt_logprobs(next(s for s in batch.scheduled if s.request.request_id == rid), out.logits[a:b])
         to_sample = [s for s in batch.scheduled if s.request.request_id in out.sample_rows]
-        if to_sample:
-            rows, reqs, offsets = [], [], []
-            for s in to_sample:
-                first = out.sample_rows[s.request.request_id]
-                for j in range(len(s.spec_token_ids) + 1):
-                    rows.append(first + j)
-                    reqs.append(s.request)
-                    offsets.append(j)
-            logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[torch.tensor(rows)]
-            result = sample(logits, reqs, masks.result() if masks is not None else None, offsets)
-            with self.scheduler.keep_blocks():
-                i = 0
-                for s in to_sample:
-                    n = len(s.spec_token_ids) + 1
-                    if n == 1 or result.dead[i]:
-                        self._take_token(s.request, result, i)
-                    else:
-                        rows_of = slice(i, i + n)
-                        accepted = accept_drafts(
-                            s,
-                            result.token_ids[rows_of],
-                            result.logprobs[rows_of],
-                            result.sampled_logprobs[rows_of],
-                            self.output,
-                            self.kv,
-                            self.states,
-                        )
-                        self.spec.record(s.request, n - 1, accepted)
-                    i += n
+        with self.scheduler.keep_blocks():
+            if to_sample:
+                self._sample(out, to_sample, masks)
+            if self.spec is not None:
+                self.spec.after_step(batch, out.hidden)  # inside: requests that just finished still have blocks
+            for req, first_token in self._exports:  # after the drafter's update: its layer's KV goes too
+                span = export_span(
+                    self.kv,
+                    self.storage,
+                    self.fingerprint,
+                    req.request_id,
+                    req.prompt_token_ids,
+                    first_token,
+                    req.export_kv,
+                    self.states,
+                )
+                req.kv_span = wire.encode(span, self.kv_secret)
+            self._exports.clear()
         for s in batch.scheduled:
             if not s.request.is_finished and s.request.export_kv is None:  # exports keep every position
                 self.kv.remove_skipped_blocks(s.request.request_id, s.request.num_computed_tokens)
         if self.spec is not None:
+            self.spec.release(self._live_requests())
             self.spec.propose(self.scheduler.running)
         return self._outputs(batch)
+
+    def _sample(self, out: ModelOutput, to_sample: list[ScheduledRequest], masks) -> None:
+        """A token for each request that takes one (and one per draft it verifies), appended."""
+        rows, reqs, offsets = [], [], []
+        for s in to_sample:
+            first = out.sample_rows[s.request.request_id]
+            for j in range(len(s.spec_token_ids) + 1):
+                rows.append(first + j)
+                reqs.append(s.request)
+                offsets.append(j)
+        logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[torch.tensor(rows)]
+        result = sample(logits, reqs, masks.result() if masks is not None else None, offsets)
+        i = 0
+        for s in to_sample:
+            n = len(s.spec_token_ids) + 1
+            if n == 1 or result.dead[i]:
+                self._take_token(s.request, result, i)
+            else:
+                rows_of = slice(i, i + n)
+                accepted = accept_drafts(
+                    s,
+                    result.token_ids[rows_of],
+                    result.logprobs[rows_of],
+                    result.sampled_logprobs[rows_of],
+                    self.output,
+                    self.kv,
+                    self.states,
+                )
+                self.spec.record(s.request, n - 1, accepted)
+            i += n
 
     def _take_token(self, req: Request, result, i: int) -> None:
         if result.dead[i]:  # its grammar, allowed_token_ids, bad words, ... left no token
@@ -332,17 +352,7 @@ class LLMEngine:
             self.scheduler.finish(req, "stop")
             return
         if req.export_kv is not None and req.num_output_tokens == 0:
-            span = export_span(
-                self.kv,
-                self.storage,
-                self.fingerprint,
-                req.request_id,
-                req.prompt_token_ids,
-                result.token_ids[i],
-                req.export_kv,
-                self.states,
-            )
-            req.kv_span = wire.encode(span, self.kv_secret)
+            self._exports.append((req, result.token_ids[i]))
         self.output.append_token(req, result.token_ids[i], result.logprobs[i], result.sampled_logprobs[i])
         if req.export_kv is not None and not req.is_finished:
             self.scheduler.finish(req, "length")  # a prefill-only request ends at its first token
@@ -355,21 +365,6 @@ class LLMEngine:
         while not req.is_finished:
             self.step()
         return torch.cat(req.prompt_logits)
-
-    def _record_prompt_logprobs(self, s, logits: torch.Tensor) -> None:
-        req = s.request
-        if req.prompt_logits is not None and s.start == sum(t.shape[0] for t in req.prompt_logits):
-            req.prompt_logits.append(logits[: req.num_prompt_tokens - s.start].clone())
-        if req.prompt_logprobs is None:
-            return
-        # row j predicts the token at position start + j + 1; keep prompt positions not yet recorded
-        targets = torch.tensor(req.token_ids[s.start + 1 : s.start + 1 + logits.shape[0]], dtype=torch.long)
-        keep = min(len(targets), req.num_prompt_tokens - len(req.prompt_logprobs))
-        first = len(req.prompt_logprobs) - (s.start + 1)
-        if keep <= 0 or first < 0:
-            return
-        lp = logits[first : first + keep].log_softmax(dim=1)
-        req.prompt_logprobs.extend(top_logprobs(lp, targets[first : first + keep], req.params.prompt_logprobs))
 
     def _outputs(self, batch: SchedulerOutput) -> list[RequestOutput]:
         touched, self._touched = self._touched, set()

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.request import Request
+from baton.engine.sampler import top_logprobs
+from baton.engine.scheduler import ScheduledRequest
 from baton.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -93,3 +97,20 @@ def request_output(request_id: str, samples: list[Request]) -> RequestOutput:
         num_cached_tokens=first.num_cached_tokens,
         kv_span=first.kv_span,
     )
+
+
+def record_prompt_logprobs(s: ScheduledRequest, logits: torch.Tensor) -> None:
+    """A prefill chunk's logits into its request's prompt logprobs (and prompt logits, when kept)."""
+    req = s.request
+    if req.prompt_logits is not None and s.start == sum(t.shape[0] for t in req.prompt_logits):
+        req.prompt_logits.append(logits[: req.num_prompt_tokens - s.start].clone())
+    if req.prompt_logprobs is None:
+        return
+    # row j predicts the token at position start + j + 1; keep prompt positions not yet recorded
+    targets = torch.tensor(req.token_ids[s.start + 1 : s.start + 1 + logits.shape[0]], dtype=torch.long)
+    keep = min(len(targets), req.num_prompt_tokens - len(req.prompt_logprobs))
+    first = len(req.prompt_logprobs) - (s.start + 1)
+    if keep <= 0 or first < 0:
+        return
+    lp = logits[first : first + keep].log_softmax(dim=1)
+    req.prompt_logprobs.extend(top_logprobs(lp, targets[first : first + keep], req.params.prompt_logprobs))

@@ -23,6 +23,7 @@ class ModelOutput:
     logits: torch.Tensor  # [rows, vocab] float32
     sample_rows: dict[str, int]  # request id -> row of its next-token logits (then one per draft)
     prompt_rows: dict[str, tuple[int, int]]  # request id -> rows [start, end) of its chunk's logits
+    hidden: torch.Tensor  # the model's final hidden state of every row, in batch order (the MTP drafter's)
 
 
 class ModelRunner:
@@ -135,10 +136,11 @@ class ModelRunner:
             self._state_metadata(batch),
         )
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)), ctx)
+        every_row = hidden
         if len(logit_rows) < hidden.shape[0]:  # else every row, in order (logit_rows is increasing)
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.long)]
         logits = self.model.compute_logits(hidden).float()
-        return ModelOutput(logits, sample_rows, prompt_rows)
+        return ModelOutput(logits, sample_rows, prompt_rows, every_row)
 
 
 KV_TILE = 1024  # context positions one prefill attention call reads (at least the chunk's length)

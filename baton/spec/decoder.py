@@ -68,7 +68,7 @@ class StepCost:
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, draft=None, allowed_drafts=None) -> None:
         self.config = config
-        self.draft = draft  # a DraftModelProposer for method draft_model
+        self.draft = draft  # a DraftModelProposer (draft_model) or an MtpProposer (mtp); None: n-gram
         self.allowed_drafts = allowed_drafts  # (request, drafts) -> drafts cut where its grammar forbids
         k = config.num_speculative_tokens
         self.num_drafts = 0  # verifications with at least one draft
@@ -83,6 +83,16 @@ class SpecDecoder:
     def max_k(self) -> int:
         return self.config.num_speculative_tokens
 
+    def release(self, live: set[str]) -> None:
+        """Forget (and free the draft KV of) requests that are not running or waiting any more."""
+        if self.draft is not None:
+            self.draft.release(live)
+
+    def after_step(self, batch, hidden) -> None:
+        """What the drafter learns from every step (MTP: the pairs it made known)."""
+        if self.draft is not None and hasattr(self.draft, "update"):
+            self.draft.update(batch, hidden)
+
     def eligible(self, req: Request) -> bool:
         p = req.params
         return (
@@ -95,8 +105,6 @@ class SpecDecoder:
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` of the running requests the next step verifies."""
-        if self.draft is not None:
-            self.draft.release({r.request_id for r in running})
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) >= limit:
             for req in running:
