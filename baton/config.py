@@ -260,6 +260,12 @@ class EngineConfig:
     seed: int = 0
     speculative: SpeculativeConfig | None = None
 
+    def __post_init__(self) -> None:
+        if self.speculative is not None and self.cache.kv_cache_dtype in FP8_KV_DTYPES:
+            # a block's fp8 scale grows with every value written into it, rejected drafts' too: the
+            # kept tokens' codes would then differ from an undrafted run's
+            raise ValueError("speculative decoding needs a float KV cache (kv_cache_dtype float32/bfloat16/float16)")
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Build the tree from flat keyword arguments (`LLM(model=..., block_size=...)`)."""

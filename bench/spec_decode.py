@@ -2,6 +2,7 @@
 shipped (Q4_1) with an input-grounded workload: rewrite a given passage, edit a given piece of code.
 
     python bench/spec_decode.py [--repeats 3] [--output-len 128] [--k 4] [--peers baton llama.cpp]
+                                [--weights gguf|f32] [--workloads c1 c8 c32]
 
 Servers, one at a time, each computing on the same 2 cores:
   baton            no speculation
@@ -35,6 +36,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peer_servers import CORES, Server, inherited_env, llama_cpp_binary, start_server, stop_servers  # noqa: E402
+from peers import baton_commit, served_weights  # noqa: E402
 
 from baton.bench.serve import _stats, one_request  # noqa: E402
 from baton.config import EnvSettings  # noqa: E402
@@ -154,15 +156,26 @@ def acceptance(before: dict, after: dict, k: int) -> str:
     )
 
 
+ACCEPTANCE_LINE = re.compile(
+    r"draft acceptance = [\d.]+ \(\s*(\d+) accepted /\s*(\d+) generated\), mean len =\s*([\d.]+)"
+)
+
+
 def llama_acceptance(log: Path) -> str:
-    """llama-server logs each finished slot's draft acceptance: summed over the run."""
+    """llama-server logs each finished request's draft acceptance and mean accepted length (it
+    gives no per-position figures): summed and averaged over the run."""
     accepted = generated = 0
+    lengths = []
     for line in log.read_text(errors="replace").splitlines():
-        m = re.search(r"draft acceptance = [\d.]+ \(\s*(\d+) accepted /\s*(\d+) generated\)", line)
+        m = ACCEPTANCE_LINE.search(line)
         if m:
             accepted += int(m.group(1))
             generated += int(m.group(2))
-    return f"accepted {accepted} of {generated} drafted" if generated else "no acceptance lines in its log"
+            lengths.append(float(m.group(3)))
+    if not generated:
+        return "no acceptance lines in its log"
+    mean = sum(lengths) / len(lengths)
+    return f"accepted {accepted} of {generated} drafted; its mean len (per request, averaged) {mean:.2f}"
 
 
 def q4_0_draft(cache: Path, target: Path) -> Path:
@@ -211,13 +224,23 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (llama.cpp: the most drafted)")
     ap.add_argument("--peers", nargs="+", default=["baton", "llama.cpp"], choices=["baton", "llama.cpp"])
+    ap.add_argument(
+        "--weights",
+        choices=["gguf", "f32"],
+        default="gguf",
+        help="the target: gguf, the packaged Q4_1 file as shipped (the issue's rows); f32, its float32 "
+        "export (llama-server: the same as an F32 GGUF), where a Q4_0 draft reads a sixth of the bytes",
+    )
+    names = [w[0] for w in WORKLOADS]
+    ap.add_argument("--workloads", nargs="+", default=names, choices=names)
     args = ap.parse_args()
+    WORKLOADS[:] = [w for w in WORKLOADS if w[0] in args.workloads]
     cache = EnvSettings.read().cache_dir
     scratch = cache / "peers" / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
-    target = resolve_model_path(MODEL)
-    draft = q4_0_draft(cache, target)
-    tokenizer = load_tokenizer(target, cache)
+    shipped = resolve_model_path(MODEL)
+    draft = q4_0_draft(cache, shipped)
+    tokenizer = load_tokenizer(shipped, cache)
     prompts = {name: grounded_prompts(tokenizer, n) for name, n, _ in WORKLOADS}
     results: dict[tuple[str, str], list[dict]] = {}
     notes: dict[str, str] = {}
@@ -226,7 +249,8 @@ def main() -> None:
     for label, peer, extra in server_specs(args.k, draft, args.peers):
         log = scratch / f"spec-{label.replace(' ', '-')}.log"
         try:
-            server: Server = start_server(peer, MODEL, target, cache, log, extra, label)
+            weights = shipped if args.weights == "gguf" else served_weights(peer, MODEL, "f32", cache)
+            server: Server = start_server(peer, MODEL, weights, cache, log, extra, label)
         except (RuntimeError, subprocess.CalledProcessError) as e:
             print(f"{label} did not start ({e}); see {log}", flush=True)
             continue
@@ -252,12 +276,14 @@ def main() -> None:
         finally:
             stop_servers([server])
     labels = list(dict.fromkeys(label for _, label in results))
+    print(f"\nbaton {baton_commit()}")
     print(
-        f"\nSmolLM2 {target.name} as shipped, {CORES} cores each; greedy, {args.output_len} output tokens, "
+        f"SmolLM2 {shipped.name if args.weights == 'gguf' else 'float32'} target, {CORES} cores each; greedy, "
+        f"{args.output_len} output tokens, "
         f"k={args.k}; medians of {args.repeats}"
     )
     print(f"{'workload':<10}{'server':<18}{'output tok/s':>14}{'TPOT ms':>10}{'TTFT ms':>10}{'vs off':>8}")
-    goals = {("c1", "baton ngram"): 1.8, ("c1", "baton draft"): 1.4}
+    goals = {("c1", "baton ngram"): 1.8, ("c1", "baton draft"): 1.4} if args.weights == "gguf" else {}
     for name, _, _ in WORKLOADS:
         for label in labels:
             runs = results.get((name, label))

@@ -72,6 +72,8 @@ def test_speculative_config_errors_name_the_problem():
         SpeculativeConfig.parse({"method": "draft_model"})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig.parse({"num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="float KV cache"):
+        LLM("smollm2-135m", progress=False, kv_cache_dtype="fp8", speculative_config=NGRAM)
     with pytest.raises(ValueError, match="no MTP layers"):
         LLM("smollm2-135m", progress=False, speculative_config={"method": "mtp"})
 
@@ -293,3 +295,36 @@ def test_gemma3_ngram_past_the_window(gemma3):
     assert _tokens(on, prompts) == expected
     assert on.engine.spec.num_accepted_tokens > 0
     assert _all_free(on)
+
+
+def test_server_speculates_and_reports_vllm_metrics(smollm2):
+    import subprocess
+    import sys
+
+    import requests
+
+    from tests.server_util import ServerProcess
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "baton.cli", "serve", "--speculative-config", '{"method": "eagle"}'],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "speculative method must be one of" in bad.stderr
+    expected = smollm2.generate(GROUNDED[0], SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0].text
+    server = ServerProcess("--speculative-config", json.dumps(NGRAM))
+    try:
+        body = {"model": "smollm2-135m", "prompt": GROUNDED[0], "max_tokens": 40, "temperature": 0.0}
+        r = requests.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+        streamed = requests.post(f"{server.base_url}/v1/completions", json={**body, "stream": True}, timeout=120)
+        chunks = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ") and "[DONE]" not in line]
+        assert "".join(json.loads(c)["choices"][0]["text"] for c in chunks if json.loads(c)["choices"]) == expected
+        drafts = server.metric("baton_spec_decode_num_drafts_total")
+        accepted = server.metric("baton_spec_decode_num_accepted_tokens_total")
+        assert 0 < accepted <= server.metric("baton_spec_decode_num_draft_tokens_total")
+        first = server.metric('baton_spec_decode_num_accepted_tokens_per_pos_total{position="0"}')
+        assert 0 < first <= drafts
+    finally:
+        assert server.terminate() == 0
