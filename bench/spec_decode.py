@@ -78,8 +78,9 @@ CODE = [
 SYSTEM = "You are a careful assistant for a public library. " * 30  # the shared system prompt
 
 
-def grounded_prompts(tokenizer, n: int) -> list[list[int]]:
-    """n distinct chat prompts that ask for text the prompt already holds (rewrites and edits)."""
+def grounded_prompts(tokenizer, n: int, first: int = 0) -> list[list[int]]:
+    """n distinct chat prompts that ask for text the prompt already holds (rewrites and edits),
+    numbered from `first` (each round gets its own: no server sees a prompt twice)."""
     asks = []
     for p in PASSAGES:
         asks.append(f"Rewrite the following passage word for word, fixing only spelling mistakes:\n\n{p}")
@@ -87,7 +88,7 @@ def grounded_prompts(tokenizer, n: int) -> list[list[int]]:
     for old, new, code in CODE:
         asks.append(f"Rename the variable `{old}` to `{new}` in this code and print the whole code:\n\n{code}")
     out = []
-    for i in range(n):
+    for i in range(first, first + n):
         message = f"Task {i + 1}. {asks[i % len(asks)]}"
         out.append(apply_chat_template(tokenizer, [{"role": "user", "content": message}]))
     return out
@@ -241,7 +242,11 @@ def main() -> None:
     shipped = resolve_model_path(MODEL)
     draft = q4_0_draft(cache, shipped)
     tokenizer = load_tokenizer(shipped, cache)
-    prompts = {name: grounded_prompts(tokenizer, n) for name, n, _ in WORKLOADS}
+    prompts = {
+        (name, repeat): grounded_prompts(tokenizer, n, 1000 * repeat + 100 * i)
+        for repeat in range(args.repeats)
+        for i, (name, n, _) in enumerate(WORKLOADS)
+    }
     results: dict[tuple[str, str], list[dict]] = {}
     notes: dict[str, str] = {}
     hits: dict[str, float] = {}
@@ -259,7 +264,7 @@ def main() -> None:
             before = metrics(server.url) if peer == "baton" else {}
             for repeat in range(args.repeats):
                 for name, _, concurrency in WORKLOADS:
-                    r = asyncio.run(run_prompts(server.url, prompts[name], args.output_len, concurrency))
+                    r = asyncio.run(run_prompts(server.url, prompts[(name, repeat)], args.output_len, concurrency))
                     results.setdefault((name, label), []).append(r)
                     print(
                         f"[{name} #{repeat + 1}] {label}: {r['output_throughput']:.1f} tok/s, "

@@ -191,3 +191,37 @@ def test_prefix_hits_are_kept_with_mtp(glm):
     hits_on = [o.num_cached_tokens for o in on.generate(prompts, GREEDY) + on.generate(prompts, GREEDY)]
     assert hits_on == hits_off and sum(hits_on) > 0
     assert _tokens(on, prompts) == _tokens(off, prompts)
+
+
+def test_drafts_are_those_of_transformers_generate_with_mtp(glm, monkeypatch):
+    """transformers' `generate(..., use_mtp=True)` on the same checkpoint: the draft it proposes
+    after each prefix is ours after that prefix."""
+    from transformers import Glm4MoeForCausalLM
+    from transformers.generation.candidate_generator import MTPCandidateGenerator
+
+    (ref, _), path = glm
+    monkeypatch.setattr(Glm4MoeForCausalLM, "_keys_to_ignore_on_load_unexpected", [r"model\.layers\.3\..*"])
+    theirs: dict[tuple[int, ...], tuple[int, float]] = {}
+    get_candidates = MTPCandidateGenerator.get_candidates
+
+    def recording(self, input_ids, *args, **kwargs):
+        candidates, logits = get_candidates(self, input_ids, *args, **kwargs)
+        if logits is not None and candidates.shape[1] > input_ids.shape[1]:
+            top2 = logits[0, 0].topk(2).values
+            theirs[tuple(input_ids[0].tolist())] = (int(candidates[0, input_ids.shape[1]]), float(top2[0] - top2[1]))
+        return candidates, logits
+
+    monkeypatch.setattr(MTPCandidateGenerator, "get_candidates", recording)
+    prompt = _prompts(4, (30,))[0]["prompt_token_ids"]
+    with torch.no_grad():
+        generated = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, use_mtp=True)
+    seen = _record_drafts(monkeypatch)
+    on = LLM(str(path), progress=False, speculative_config=MTP)
+    ours = on.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=16, temperature=0.0))[0]
+    assert ours.outputs[0].token_ids == generated[0, len(prompt) :].tolist()
+    common = [(tokens, logits) for tokens, logits in seen if tuple(tokens) in theirs]
+    assert len(common) >= 10
+    for tokens, logits in common:
+        draft, margin = theirs[tuple(tokens)]
+        if margin > 1e-4:
+            assert int(logits.argmax()) == draft, f"after {len(tokens)} tokens"

@@ -227,8 +227,9 @@ def tiny_vocab(tmp_path_factory):
 
 def test_draft_model_sampling_has_the_target_distribution(tiny_vocab):
     """Chi-square of the second and third sampled tokens against the exact marginals from
-    transformers' forward on the same weights, over 6,000 seeded draws with a draft model whose
-    proposals differ from the target's; the draws also equal the undrafted ones."""
+    transformers' forward on the same weights, over 10,000 seeded draws with a draft model whose
+    proposals differ from the target's (a 2-point shift of one token's probability adds ~60 to the
+    statistic; the bound is p < 0.001); the draws also equal the undrafted ones."""
     from transformers import AutoModelForCausalLM
 
     target, draft = tiny_vocab
@@ -254,7 +255,7 @@ def test_draft_model_sampling_has_the_target_distribution(tiny_vocab):
             "adaptive": False,  # draft at every batch size, paying or not
         },
     )
-    n = 6000
+    n = 10000
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
     outs = [o.outputs[0].token_ids for o in on.generate([{"prompt_token_ids": prompt}] * n, params)]
     spec = on.engine.spec
@@ -268,32 +269,6 @@ def test_draft_model_sampling_has_the_target_distribution(tiny_vocab):
     assert [o.outputs[0].token_ids for o in off.generate([{"prompt_token_ids": prompt}] * 200, params[:200])] == outs[
         :200
     ]
-    assert _all_free(on)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
-def test_draft_model_quantized_copy_is_exact(model, request):
-    base: LLM = request.getfixturevalue(model)
-    name = "smollm2-135m" if model == "smollm2" else "gemma3-270m"
-    config = {"method": "draft_model", "model": name, "quantization": "q4_0", "num_speculative_tokens": 3}
-    config["adaptive"] = False  # on quantized weights a same-size draft does not pay: it would stop drafting
-    on = LLM(name, progress=False, speculative_config=config)
-    prompts = _ids(base, GROUNDED + PROMPTS[3:5] + PROMPTS[7:])
-    expected = [_tokens(base, [p])[0] for p in prompts]
-    assert _tokens(on, prompts) == expected
-    assert _tokens(on, prompts[::-1]) == expected[::-1]  # prefix hits in both caches
-    assert on.engine.spec.num_accepted_tokens > 0
-    assert _all_free(on)
-
-
-@pytest.mark.slow
-def test_gemma3_ngram_past_the_window(gemma3):
-    on = LLM("gemma3-270m", progress=False, speculative_config=NGRAM)
-    prompts = _ids(gemma3, GROUNDED + PROMPTS[7:])
-    expected = [_tokens(gemma3, [p])[0] for p in prompts]
-    assert _tokens(on, prompts) == expected
-    assert on.engine.spec.num_accepted_tokens > 0
     assert _all_free(on)
 
 

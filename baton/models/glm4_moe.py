@@ -20,7 +20,7 @@ from torch import nn
 
 from baton.kv.spec import LayerKind
 from baton.models.layers import RMSNorm, Rotary, paged_attention
-from baton.models.llama import ForwardContext, GatedMLP, LlamaForCausalLM
+from baton.models.llama import Attention, ForwardContext, GatedMLP, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import GroupedSigmoidMoE
 from baton.models.qwen3_next import partial_rotary
@@ -35,19 +35,15 @@ def layer_kinds(hf: dict[str, Any]) -> list[LayerKind]:
     return [LayerKind.full()] * (int(hf["num_hidden_layers"]) + num_mtp_layers(hf))
 
 
-class GlmAttention(nn.Module):
+class GlmAttention(Attention):
+    """Llama's attention without an o_proj bias, with q/k norm by `use_qk_norm`, partial rotary."""
+
     def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
-        super().__init__()
-        self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        super().__init__(cfg, layer_id)
+        self.o_proj = nn.Linear(self.sizes[0], cfg.hidden_size, bias=False)
         qk_norm = bool(cfg.hf.get("use_qk_norm", False))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.scale = cfg.attn_scale
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
