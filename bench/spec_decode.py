@@ -4,7 +4,7 @@ shipped (Q4_1) with an input-grounded workload: rewrite a given passage, edit a 
     python bench/spec_decode.py [--repeats 3] [--output-len 128] [--k 4] [--peers baton llama.cpp]
                                 [--weights gguf|f32] [--workloads c1 c8 c32]
 
-Servers, one at a time, each computing on the same 2 cores:
+Servers, each computing on the same 2 cores:
   baton            no speculation
   baton ngram      --speculative-config {"method": "ngram", ...} (prompt lookup)
   baton draft      {"method": "draft_model"} with the target requantized to Q4_0 by llama-quantize
@@ -12,10 +12,11 @@ Servers, one at a time, each computing on the same 2 cores:
   llama.cpp ngram  --spec-type ngram-simple (its prompt lookup)
   llama.cpp draft  --spec-type draft-simple --model-draft on the same Q4_0 file
 
-Every round runs each workload on every server in turn (greedy, ignore_eos, streamed); the table
-shows medians of the rounds and each speculating server's ratio to its own server without
-speculation. Then a c8 workload whose prompts share a long system prompt: baton's prefix-cache hit
-tokens with each method against none. Each baton server's acceptance per draft position comes
+All servers start first; every round then runs each workload on every server in turn, never two
+at once (greedy, ignore_eos, streamed, fresh prompts each round); the table shows medians of the
+rounds and the median of each round's ratio of a speculating server to its own without drafts.
+Then a c8 workload whose prompts share a long system prompt: baton's prefix-cache hit tokens with
+each method against none. Each baton server's acceptance per draft position comes
 from its /metrics (baton_spec_decode_*); llama-server's from the acceptance lines it logs.
 """
 
@@ -251,19 +252,22 @@ def main() -> None:
     notes: dict[str, str] = {}
     hits: dict[str, float] = {}
     settings: list[str] = []
-    for label, peer, extra in server_specs(args.k, draft, args.peers):
-        log = scratch / f"spec-{label.replace(' ', '-')}.log"
-        try:
+    servers: list[tuple[str, str, Server, Path, dict]] = []  # label, peer, server, log, metrics at start
+    try:
+        for label, peer, extra in server_specs(args.k, draft, args.peers):
+            log = scratch / f"spec-{label.replace(' ', '-')}.log"
             weights = shipped if args.weights == "gguf" else served_weights(peer, MODEL, "f32", cache)
-            server: Server = start_server(peer, MODEL, weights, cache, log, extra, label)
-        except (RuntimeError, subprocess.CalledProcessError) as e:
-            print(f"{label} did not start ({e}); see {log}", flush=True)
-            continue
-        try:
+            try:
+                server = start_server(peer, MODEL, weights, cache, log, extra, label)
+            except (RuntimeError, subprocess.CalledProcessError) as e:
+                print(f"{label} did not start ({e}); see {log}", flush=True)
+                continue
             settings.append(server.settings())
-            before = metrics(server.url) if peer == "baton" else {}
-            for repeat in range(args.repeats):
-                for name, _, concurrency in WORKLOADS:
+            servers.append((label, peer, server, log, metrics(server.url) if peer == "baton" else {}))
+        # rounds: each workload on every server in turn (never two at once), so drift hits all alike
+        for repeat in range(args.repeats):
+            for name, _, concurrency in WORKLOADS:
+                for label, _, server, _, _ in servers:
                     r = asyncio.run(run_prompts(server.url, prompts[(name, repeat)], args.output_len, concurrency))
                     results.setdefault((name, label), []).append(r)
                     print(
@@ -271,6 +275,7 @@ def main() -> None:
                         f"TPOT {r['tpot_ms']:.1f} ms, TTFT {r['ttft_ms']:.0f} ms, failed {r['failed']}",
                         flush=True,
                     )
+        for label, peer, server, log, before in servers:
             if peer == "baton":
                 notes[label] = acceptance(before, metrics(server.url), args.k)
                 start = metrics(server.url).get("baton_prefix_cache_hit_tokens_total", 0.0)
@@ -278,8 +283,8 @@ def main() -> None:
                 hits[label] = metrics(server.url).get("baton_prefix_cache_hit_tokens_total", 0.0) - start
             else:
                 notes[label] = llama_acceptance(log)
-        finally:
-            stop_servers([server])
+    finally:
+        stop_servers([server for _, _, server, _, _ in servers])
     labels = list(dict.fromkeys(label for _, label in results))
     print(f"\nbaton {baton_commit()}")
     print(
@@ -296,7 +301,9 @@ def main() -> None:
                 continue
             tput = statistics.median(r["output_throughput"] for r in runs)
             base = results.get((name, label.split(" ")[0]))
-            ratio = tput / statistics.median(r["output_throughput"] for r in base) if base and " " in label else None
+            ratio = None
+            if base and " " in label:  # the median of each round's ratio to the same server without drafts
+                ratio = statistics.median(r["output_throughput"] / b["output_throughput"] for r, b in zip(runs, base))
             line = f"{name:<10}{label:<18}{tput:>14.1f}{statistics.median(r['tpot_ms'] for r in runs):>10.1f}"
             line += f"{statistics.median(r['ttft_ms'] for r in runs):>10.0f}"
             line += f"{ratio:>8.2f}" if ratio is not None else f"{'':>8}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -13,12 +12,21 @@ def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
     if k <= 0 or len(token_ids) <= n_min:
         return []
     tokens = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
-        # windows starting at i < len - n, each followed by at least one token
-        windows = sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-        if hits.size:
-            full = hits[hits + n + k <= len(tokens)]
-            start = int(full[-1] if full.size else hits[0]) + n
-            return tokens[start : start + k].tolist()
+    # occurrences end at i (< len - 1): candidates are the earlier places of the last token, then
+    # narrowed one token further back at a time; `ends` holds those matching n tokens
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    matches: dict[int, np.ndarray] = {1: ends}
+    for n in range(2, min(n_max, len(tokens) - 1) + 1):
+        ends = ends[ends >= n - 1]
+        ends = ends[tokens[ends - (n - 1)] == tokens[-n]]
+        if not ends.size:
+            break
+        matches[n] = ends
+    for n in sorted(matches, reverse=True):
+        ends = matches[n]
+        if n < n_min or not ends.size:
+            continue
+        full = ends[ends + 1 + k <= len(tokens)]
+        start = int(full[-1] if full.size else ends[0]) + 1
+        return tokens[start : start + k].tolist()
     return []
