@@ -161,10 +161,11 @@ class SpeculativeConfig:
     """draft_model: a known name, HF directory or .gguf; its vocabulary must be the target's."""
     quantization: str | None = None
     """draft_model: quantize the draft's linears at load (q4_0, q8_0, ...)."""
-    disable_by_batch_size: int | None = 16
+    disable_by_batch_size: int | None = 8
     """Speculate only while fewer requests than this are running (None: always). On a CPU, a
     batch of decodes already reads each weight once for many tokens: verifying drafts then costs
-    compute that plain decoding does not (bench/spec_decode.py measures the crossover)."""
+    compute that plain decoding does not. Measured on SmolLM2 with 2 cores (bench/README.md):
+    n-gram drafts pay 1.3x at c1, about nothing at c4, and lose a few percent at c8."""
     adaptive: bool = True
     """Each request's k follows its acceptance: it drafts only as far as drafts tend to survive."""
 

@@ -303,3 +303,25 @@ def test_server_speculates_and_reports_vllm_metrics(smollm2):
         assert 0 < first <= drafts
     finally:
         assert server.terminate() == 0
+
+
+def test_ngram_proposals_equal_a_plain_search():
+    """Against the definition, searched naively, on many small random sequences."""
+
+    def plain(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+        for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+            if n <= 0:
+                break
+            ends = [i + n for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[-n:]]
+            if ends:
+                full = [e for e in ends if e + k <= len(tokens)]
+                start = full[-1] if full else ends[0]
+                return tokens[start : start + k]
+        return []
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.choice([2, 3, 6])) for _ in range(rng.randrange(2, 40))]
+        k, n_min = rng.randrange(1, 6), rng.randrange(1, 4)
+        n_max = rng.randrange(n_min, 7)
+        assert propose_ngram(tokens, k, n_min, n_max) == plain(tokens, k, n_min, n_max), (tokens, k, n_min, n_max)

@@ -280,8 +280,6 @@ class LLMEngine:
         masks = self.structured.start_masks(constrained) if constrained else None
         start = time.perf_counter()
         out = self.runner.execute(batch)
-        if self.spec is not None and all(s.is_decode for s in batch.scheduled):
-            self.spec.observe_step(batch.num_batched_tokens, time.perf_counter() - start)
         for s in batch.scheduled:
             r = s.request
             r.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)  # drafts count once accepted
@@ -292,6 +290,8 @@ class LLMEngine:
         with self.scheduler.keep_blocks():
             if to_sample:
                 self._sample(out, to_sample, masks)
+            if self.spec is not None and all(s.is_decode for s in batch.scheduled):  # forward and sampling
+                self.spec.observe_step(batch.num_batched_tokens, time.perf_counter() - start)
             if self.spec is not None:
                 self.spec.after_step(batch, out.hidden)  # inside: requests that just finished still have blocks
             for req, first_token in self._exports:  # after the drafter's update: its layer's KV goes too

@@ -29,40 +29,65 @@ MARGIN = 1.15  # a draft must beat its cost by this much: step times are noisy, 
 
 
 class StepCost:
-    """seconds = a + b * rows of the recent decode-only steps (least squares); until the rows vary
-    enough to tell b from a, b = `prior_ratio` * a."""
+    """seconds = a + b * rows of the recent decode-only steps (forward and sampling), fitted by least
+    squares over the steps near the batch size asked about (a row's cost is not the same at every
+    size: the kernels change paths), else over all; until rows vary enough to tell b from a,
+    b = `prior_ratio` * a."""
 
-    def __init__(self, window: int = 512, prior_ratio: float = 0.2) -> None:
+    def __init__(self, window: int = 1024, prior_ratio: float = 0.2, refit_every: int = 16) -> None:
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.prior_ratio = prior_ratio
+        self.refit_every = refit_every
+        self._fits: dict[int | None, tuple[float, float] | None] = {}  # kept between refits
 
     def add(self, rows: int, seconds: float) -> None:
         self.samples.append((rows, seconds))
+        if len(self.samples) % self.refit_every == 0 or len(self.samples) < self.refit_every:
+            self._fits.clear()
 
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b) in seconds, or None before any step."""
-        n = len(self.samples)
-        if not n:
+    def fit(self, batch: int | None = None) -> tuple[float, float] | None:
+        """(a, b) in seconds for batches near `batch` (None: all), or None before any step."""
+        if batch not in self._fits:
+            self._fits[batch] = self._fit(batch)
+        return self._fits[batch]
+
+    def _fit(self, batch: int | None) -> tuple[float, float] | None:
+        if batch is not None:
+            near = [(r, t) for r, t in self.samples if batch // 2 <= r <= 2 * batch + 8]
+            local = _least_squares(near)
+            if local is not None:
+                return local
+        if not self.samples:
             return None
-        mean_r = sum(r for r, _ in self.samples) / n
-        mean_t = sum(t for _, t in self.samples) / n
-        var = sum((r - mean_r) ** 2 for r, _ in self.samples)
-        if n >= 16 and var >= n * 0.25:
-            b = sum((r - mean_r) * (t - mean_t) for r, t in self.samples) / var
-            a = mean_t - b * mean_r
-            if a > 0 and b > 0:
-                return a, b
-        a = mean_t / (1 + self.prior_ratio * mean_r)
+        fitted = _least_squares(list(self.samples))
+        if fitted is not None:
+            return fitted
+        mean_r = sum(r for r, _ in self.samples) / len(self.samples)
+        a = sum(t for _, t in self.samples) / len(self.samples) / (1 + self.prior_ratio * mean_r)
         return a, self.prior_ratio * a
 
     def threshold(self, batch: int, draft_seconds: float) -> float:
         """The acceptance a draft needs to pay in a batch of `batch` decodes: its verify row's cost
         b plus what drafting it cost, over the batch's cost per token (a + b * batch) / batch."""
-        fit = self.fit()
+        fit = self.fit(batch)
         if fit is None:
             return 0.0
         a, b = fit
         return min(1.0, MARGIN * (b + draft_seconds) * batch / (a + b * batch))
+
+
+def _least_squares(samples: list[tuple[int, float]]) -> tuple[float, float] | None:
+    n = len(samples)
+    if n < 16:
+        return None
+    mean_r = sum(r for r, _ in samples) / n
+    mean_t = sum(t for _, t in samples) / n
+    var = sum((r - mean_r) ** 2 for r, _ in samples)
+    if var < n * 0.25:
+        return None
+    b = sum((r - mean_r) * (t - mean_t) for r, t in samples) / var
+    a = mean_t - b * mean_r
+    return (a, b) if a > 0 and b > 0 else None
 
 
 class SpecDecoder:
