@@ -27,11 +27,11 @@ def llama_draft(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("llama-draft"), "LlamaForCausalLM", num_hidden_layers=1)[1]
 
 
-CASES = [
+CASES = [  # the default suite runs one per model; `-m slow` all of them
     ("qwen3_next", "ngram"),
-    ("qwen3_next", "draft_model"),
-    ("glm", "ngram"),
-    ("glm", "draft_model"),
+    pytest.param("qwen3_next", "draft_model", marks=pytest.mark.slow),
+    pytest.param("glm", "ngram", marks=pytest.mark.slow),
+    pytest.param("glm", "draft_model", marks=pytest.mark.slow),
     ("glm", "mtp"),
 ]
 

@@ -40,7 +40,7 @@ def test_speculation_is_exact_on_the_real_models(model, method, request):
     assert on.engine.spec.num_draft_tokens > drafted and _all_free(on)
     chunked = LLM(name, progress=False, max_num_batched_tokens=64, speculative_config=config)
     assert _tokens(chunked, prompts, PARAMS) == expected and _all_free(chunked)
-    short = prompts[:4]
-    small = LLM(name, progress=False, num_kv_blocks=16, max_model_len=192, speculative_config=config)
-    assert _tokens(small, short, PARAMS) == expected[:4]
+    short = [0, 1, 3, 4]  # GROUNDED[2] is ~820 tokens
+    small = LLM(name, progress=False, num_kv_blocks=12, max_model_len=160, speculative_config=config)
+    assert _tokens(small, [prompts[i] for i in short], PARAMS) == [expected[i] for i in short]
     assert small.engine.scheduler.num_preemptions > 0 and _all_free(small)
