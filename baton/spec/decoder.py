@@ -153,8 +153,11 @@ class SpecDecoder:
             start = time.perf_counter()
             proposals = self.draft.propose(wanted)
             drafted = sum(len(p) for p in proposals)
-            if drafted:
+            # a draft model reports its decode forwards' cost (its catch-up also prefills new prompts)
+            per_token = getattr(self.draft, "seconds_per_draft", None)
+            if per_token is None and drafted:
                 per_token = (time.perf_counter() - start) / drafted
+            if per_token is not None:
                 self.draft_seconds = per_token if not self.draft_seconds else 0.8 * self.draft_seconds + 0.2 * per_token
         else:
             c = self.config

@@ -13,6 +13,7 @@ a draft that agrees with the target's draw is accepted, so seeded requests keep 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,7 @@ class DraftModelProposer:
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.runner = ModelRunner(self.model, memory.kv, memory.storage, memory.states)
         self.seqs: dict[str, DraftSeq] = {}
+        self.seconds_per_draft: float | None = None  # of the latest proposal's decode forwards
 
     def release(self, keep: set[str]) -> None:
         """Free the draft KV of requests not in `keep` (finished, aborted or preempted)."""
@@ -86,7 +88,9 @@ class DraftModelProposer:
         drafts: dict[str, list[int]] = {req.request_id: [] for req, _ in wanted}
         active = [(req, seq, k) for req, k in wanted if (seq := self._resume(req)) is not None]
         step = 0
+        decode_seconds, decoded = 0.0, 0
         while active:
+            start = time.perf_counter()
             logits = self._forward([seq for _, seq, _ in active], publish=step == 0)
             reqs = [req for req, _, _ in active]
             result = sample(torch.stack([logits[req.request_id] for req in reqs]), reqs, None, [step] * len(reqs))
@@ -100,8 +104,13 @@ class DraftModelProposer:
                 if self.kv.allocate_slots(seq.request_id, seq.token_ids, seq.num_computed_tokens, 1):
                     seq.token_ids.append(token)
                     still.append((req, seq, k))
+            if step > 0:  # the catch-up forward also computes new prompts: not a draft's cost
+                decode_seconds += time.perf_counter() - start
+                decoded += len(reqs)
             active = still
             step += 1
+        if decoded:
+            self.seconds_per_draft = decode_seconds / decoded
         return [drafts[req.request_id] for req, _ in wanted]
 
     def _forward(self, seqs: list[DraftSeq], publish: bool) -> dict[str, torch.Tensor]:
