@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from baton.bench.hf_export import export_hf_dir
 from tests.server_util import ServerProcess
 
@@ -46,6 +48,7 @@ def _lm_eval(model: str, model_args: str, out: Path) -> dict[int, list[float]]:
     return result
 
 
+@pytest.mark.slow  # 24 s; the default suite stays under its 12-minute budget
 def test_lm_eval_local_completions_matches_hf(tmp_path):
     ref_dir = export_hf_dir("smollm2-135m")
     expected = _lm_eval("hf", f"pretrained={ref_dir},dtype=float32", tmp_path / "hf")

@@ -272,6 +272,7 @@ def test_draft_model_sampling_has_the_target_distribution(tiny_vocab):
     assert _all_free(on)
 
 
+@pytest.mark.slow  # a server of its own: 7 s
 def test_server_speculates_and_reports_vllm_metrics(smollm2):
     import subprocess
     import sys
