@@ -12,13 +12,14 @@ from baton.config import (
     EngineConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     ServerConfig,
     SpeculativeConfig,
 )
 from baton.ops import OpsBuildError
 
-_CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
+_CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
 
 
 def _flag_type(annotation: str):
@@ -65,6 +66,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=_section(CacheConfig, args),
         scheduler=_section(SchedulerConfig, args),
         kv_transfer=kv_transfer,
+        parallel=_section(ParallelConfig, args),
         seed=args.seed,
         speculative=SpeculativeConfig.parse(args.speculative_config),
     )
@@ -114,12 +116,25 @@ def _serve(args: argparse.Namespace) -> None:
     from baton.server.app import build_app
 
     config = engine_config(args)
+    if config.parallel.node_rank > 0:  # another host's ranks: no scheduler, no API here
+        from baton.parallel.worker import run_node
+
+        logging.basicConfig(level=config.env.log_level, format="%(levelname)s %(name)s: %(message)s")
+        run_node(config)
+        return
     server = _section(ServerConfig, args)
     server.api_key = server.api_key or config.env.api_key
     config.env.api_key = server.api_key  # the kv secret defaults to the API key
     config.internal_key()  # refuse a PD role without a secret now, not after loading the model
     logging.basicConfig(level=config.env.log_level, format="%(levelname)s %(name)s: %(message)s")
-    app = build_app(AsyncEngine(lambda: LLMEngine(config)), server, config.model.model)
+    async_engine = AsyncEngine(lambda: LLMEngine(config))
+    if async_engine.engine.ranks is not None:
+        import os
+        import threading
+
+        # a rank that died ends this worker non-zero, after /health has said 503 for a moment
+        async_engine.engine.ranks.on_lost.append(lambda why: threading.Timer(2.0, os._exit, (1,)).start())
+    app = build_app(async_engine, server, config.model.model)
     # The engine thread and the event loop trade the GIL every step; a shorter switch interval
     # than the default 5 ms hands it over sooner (c1 TPOT about 5% lower in A/B runs here).
     sys.setswitchinterval(0.0005)
@@ -141,15 +156,26 @@ def _router(args: argparse.Namespace) -> None:
     import uvicorn
 
     from baton.config import EnvSettings, shared_kv_secret
-    from baton.handoff.router import Router, build_router_app
+    from baton.handoff.remote_prefill import RemotePrefill
+    from baton.router.app import build_router_app
+    from baton.router.proxy import Router
+    from baton.router.settings import RouterSettings
+    from baton.router.workers import WorkerSet
 
+    if args.workers and args.decode:
+        raise ValueError("give the routed workers as --workers, or as --decode with --prefill workers, not both")
+    if args.prefill and not args.decode:
+        raise ValueError("--prefill workers need --decode workers")
     env = EnvSettings.read()
     api_key = args.api_key or env.api_key
     secret = shared_kv_secret(args.kv_secret, env, api_key)
     if args.prefill and secret is None:
         raise ValueError("the router needs the workers' kv secret: pass --kv-secret (or BATON_KV_SECRET, or --api-key)")
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
-    router = Router(args.prefill or [], args.decode, args.span_format, kv_secret=secret)
+    settings = _section(RouterSettings, args)
+    workers = WorkerSet(settings, args.workers or args.decode or [])
+    prefill = RemotePrefill(args.prefill, args.span_format, kv_secret=secret) if args.prefill else None
+    router = Router(workers, settings, prefill)
     app = build_router_app(router, api_key=api_key, max_request_bytes=args.max_request_bytes)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
@@ -239,9 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_config_args(serve, (ServerConfig, KVTransferConfig))
     serve.set_defaults(func=_serve)
-    router = sub.add_parser("router", help="the prefill/decode front: OpenAI routes over P and D workers")
-    router.add_argument("--prefill", nargs="*", help="prefill worker URLs")
-    router.add_argument("--decode", nargs="+", required=True, help="decode worker URLs")
+    router = sub.add_parser(
+        "router",
+        help="OpenAI routes over many workers: prefix-aware or round-robin routing, and the prefill/decode front",
+    )
+    router.add_argument(
+        "--workers", nargs="*", default=[], help="worker URLs (more join at run time: POST /v1/router/workers)"
+    )
+    router.add_argument("--prefill", nargs="*", help="PD: prefill worker URLs (round-robin)")
+    router.add_argument("--decode", nargs="*", default=[], help="PD: decode worker URLs, routed like --workers")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
     router.add_argument("--span-format", choices=["grouped", "dense"], default="grouped")
@@ -250,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-secret", default=None, help="the workers' kv secret (or BATON_KV_SECRET, else the API key)"
     )
     router.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes)
+    from baton.router.settings import RouterSettings
+
+    add_config_args(router, (RouterSettings,))
     router.set_defaults(func=_router)
     pd = sub.add_parser("pd", help="start a prefill worker, a decode worker and a router on this machine")
     pd.add_argument("--model", default="smollm2-135m")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -232,6 +232,44 @@ class KVTransferConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Ranks each layer is split over (Megatron-style: heads, MLP columns, experts, vocabulary)."""
+    pipeline_parallel_size: int = 1
+    """Stages the layers are cut into."""
+    nnodes: int = 1
+    """Hosts the ranks span (torchrun's --nnodes); each host starts its share of the ranks."""
+    node_rank: int = 0
+    """This host's index; host 0 runs the scheduler and the API, the others only ranks."""
+    master_addr: str = "127.0.0.1"
+    """Where rank 0 listens for the process group (torchrun's --master-addr)."""
+    master_port: int = 29500
+    distributed_backend: str = "auto"
+    """auto: gloo on CPU, nccl on CUDA."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks do not divide over {self.nnodes} nodes")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port, got {self.master_port}")
+        if self.distributed_backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"distributed_backend must be auto, gloo or nccl, got {self.distributed_backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+
+@dataclass
 class EnvSettings:
     num_threads: int | None = None
     log_level: str = "INFO"
@@ -257,6 +295,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     env: EnvSettings = field(default_factory=EnvSettings.read)
     seed: int = 0
     speculative: SpeculativeConfig | None = None
@@ -266,6 +305,8 @@ class EngineConfig:
             # a block's fp8 scale grows with every value written into it, rejected drafts' too: the
             # kept tokens' codes would then differ from an undrafted run's
             raise ValueError("speculative decoding needs a float KV cache (kv_cache_dtype float32/bfloat16/float16)")
+        if self.parallel.world_size > 1 and self.speculative is not None and self.speculative.method == "mtp":
+            raise ValueError("MTP drafting runs on one rank: use tensor_parallel_size 1, or the ngram method")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -275,6 +316,7 @@ class EngineConfig:
             "cache": CacheConfig,
             "scheduler": SchedulerConfig,
             "kv_transfer": KVTransferConfig,
+            "parallel": ParallelConfig,
         }
         parts: dict[str, dict] = {name: {} for name in sections}
         seed = kwargs.pop("seed", 0)
@@ -286,6 +328,27 @@ class EngineConfig:
                 raise TypeError(f"unknown engine setting {key!r}; known: {', '.join(known)}")
             parts[owner][key] = value
         return cls(**{s: c(**parts[s]) for s, c in sections.items()}, seed=seed, speculative=speculative)
+
+    def to_json(self) -> str:
+        """The whole tree, for the other ranks of this engine (they read it from a pipe)."""
+        tree = asdict(self)
+        tree["env"]["cache_dir"] = str(self.env.cache_dir)
+        return json.dumps(tree)
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        tree = json.loads(text)
+        env = EnvSettings(**{**tree["env"], "cache_dir": Path(tree["env"]["cache_dir"])})
+        return cls(
+            model=ModelConfig(**tree["model"]),
+            cache=CacheConfig(**tree["cache"]),
+            scheduler=SchedulerConfig(**tree["scheduler"]),
+            kv_transfer=KVTransferConfig(**tree["kv_transfer"]),
+            parallel=ParallelConfig(**tree["parallel"]),
+            env=env,
+            seed=tree["seed"],
+            speculative=SpeculativeConfig(**tree["speculative"]) if tree["speculative"] else None,
+        )
 
     def kv_secret_bytes(self) -> bytes | None:
         """The explicit shared secret (flag, BATON_KV_SECRET, else the API key), or None."""

@@ -78,6 +78,7 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         self.running = False
+        self.engine.shutdown()
 
     async def generate(
         self,
@@ -184,6 +185,8 @@ class AsyncEngine:
             built.set_exception(e)
             return
         built.set_result(engine)
+        if engine.ranks is not None:
+            engine.ranks.on_lost.append(self._ranks_lost)
         self._started.wait()
         try:
             self._run()
@@ -196,8 +199,15 @@ class AsyncEngine:
             self.running = False
             self._fail_inbox()
 
+    def _ranks_lost(self, why: str) -> None:
+        """A tensor-parallel rank died: /health says 503 at once and the loop fails what is in flight."""
+        self.dead = True
+        self._wake.set()
+
     def _run(self) -> None:
         while not self._stopping.is_set():
+            if self.dead:
+                raise EngineDeadError(f"a tensor-parallel rank died: {self.engine.ranks.lost}")
             self._drain_inbox()
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=0.5)

@@ -12,6 +12,7 @@ import torch
 
 from baton.config import EngineConfig
 from baton.engine.grammar import StructuredOutputs
+from baton.engine.model_setup import load_rank_model
 from baton.engine.output_processor import OutputProcessor, record_prompt_logprobs, request_output
 from baton.engine.request import Request
 from baton.engine.runner import ModelOutput, ModelRunner
@@ -23,9 +24,9 @@ from baton.handoff.span import model_fingerprint
 from baton.handoff.transfer import apply_import, export_span
 from baton.handoff.validate import ImportPlan, plan_import
 from baton.kv.memory import build_cache_memory
-from baton.models.layers import can_pack_linears, describe_linears
-from baton.models.loader import load_model
 from baton.outputs import RequestOutput
+from baton.parallel.comm import TPGroup
+from baton.parallel.ranks import Ranks
 from baton.sampling_params import SamplingParams
 from baton.spec.decoder import SpecDecoder
 from baton.spec.verify import accept_drafts
@@ -52,20 +53,20 @@ class LLMEngine:
         if config.env.num_threads:
             torch.set_num_threads(config.env.num_threads)
         torch.manual_seed(config.seed)
-        dtype = getattr(torch, config.model.torch_dtype_name)
-        keep_blocks = config.model.keep_gguf_blocks
-        loaded = load_model(config.model.model, dtype, config.env.cache_dir, progress=progress, keep_blocks=keep_blocks)
-        self.model, self.model_config = loaded.model, loaded.config
-        if config.model.packed_linears and can_pack_linears(dtype):
-            self.model.pack_linears(config.model.quantization)
-            logger.info("%s: %s", loaded.path.name, describe_linears(self.model))
-        self.model.fused_decode = config.model.fused_decode and self.model.fused_decode  # the model may lack it
+        self.ranks = Ranks.start(config) if config.parallel.world_size > 1 else None
+        rank_model = load_rank_model(config, self.ranks.tp if self.ranks else TPGroup(), progress)
+        loaded = rank_model.loaded
+        self.model, self.model_config = rank_model.model, loaded.config
         self.tokenizer = load_tokenizer(loaded.path, config.env.cache_dir, config.model.tokenizer)
         cache, sched = config.cache, config.scheduler
         mc = self.model_config
         kv_dtype = getattr(torch, cache.kv_torch_dtype_name(config.model.torch_dtype_name))
         spec = config.speculative
-        memory = build_cache_memory(mc, cache, sched, kv_dtype, spec.num_speculative_tokens if spec else 0)
+        memory = build_cache_memory(
+            rank_model.local_config, cache, sched, kv_dtype, spec.num_speculative_tokens if spec else 0
+        )
+        if self.ranks is not None:
+            self.ranks.build_caches(memory, kv_dtype)
         self.kv_spec, self.kv, self.storage, self.states = memory.spec, memory.kv, memory.storage, memory.states
         self.max_model_len = memory.max_model_len
         self.fingerprint = model_fingerprint(mc, loaded.source.header(), loaded.weights_content_sha256)
@@ -73,7 +74,7 @@ class LLMEngine:
         # per process, so only this process can import what it exported
         self.kv_secret = config.kv_secret_bytes() or _PROCESS_KV_SECRET
         self.scheduler = Scheduler(sched, self.kv, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv, self.storage, self.states)
+        self.runner = ModelRunner(self.model, self.kv, self.storage, self.states, self.ranks)
         self.eos_token_ids = set(mc.eos_token_ids) | generation_eos_ids(loaded.path)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -99,6 +100,11 @@ class LLMEngine:
 
             draft = DraftModelProposer(config, self.model_config, progress)
         return SpecDecoder(spec, draft, self.structured.allowed_drafts)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one rank)."""
+        if self.ranks is not None:
+            self.ranks.stop()
 
     # ---- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -16,6 +16,7 @@ from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq
 from baton.models.llama import ForwardContext
 from baton.models.recurrent import RecurrentSeq, StateMetadata
 from baton.ops import ops
+from baton.parallel.ranks import Ranks
 
 
 @dataclass
@@ -27,8 +28,11 @@ class ModelOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVManager, storage: KVStorage, states: StateStorage) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv: KVManager, storage: KVStorage, states: StateStorage, ranks: Ranks | None = None
+    ) -> None:
         self.model = model
+        self.ranks = ranks  # tensor parallel: the other ranks run every forward with this metadata
         self.kv = kv
         self.storage = storage
         self.states = states
@@ -135,10 +139,26 @@ class ModelRunner:
             self.states,
             self._state_metadata(batch),
         )
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)), ctx)
+        ids, pos = torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions))
+        # else every row, in order (logit_rows is increasing)
+        rows = torch.tensor(logit_rows, dtype=torch.long) if len(logit_rows) < len(input_ids) else None
+        if self.ranks is not None:
+            journal, self.states.journal = self.states.journal, []
+            self.ranks.send(
+                {
+                    "op": "forward",
+                    "input_ids": ids,
+                    "positions": pos,
+                    "groups": ctx.groups,
+                    "state_meta": ctx.state_meta,
+                    "journal": journal,
+                    "logit_rows": rows,
+                }
+            )
+        hidden = self.model(ids, pos, ctx)
         every_row = hidden
-        if len(logit_rows) < hidden.shape[0]:  # else every row, in order (logit_rows is increasing)
-            hidden = hidden[torch.tensor(logit_rows, dtype=torch.long)]
+        if rows is not None:
+            hidden = hidden[rows]
         logits = self.model.compute_logits(hidden).float()
         return ModelOutput(logits, sample_rows, prompt_rows, every_row)
 

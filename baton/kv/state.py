@@ -28,6 +28,9 @@ class StateStorage:
         self.spec = spec
         self.num_checkpoints = num_checkpoints
         self.drafts_per_slot = drafts_per_slot
+        # tensor parallel: the driver's slot and checkpoint copies, replayed by the other ranks on
+        # their own heads' state before the next forward (None: one rank, nothing to record)
+        self.journal: list[list] | None = None
         rows = num_checkpoints + num_slots * drafts_per_slot
         self.running: list[list[torch.Tensor]] = []
         self.checkpoints: list[list[torch.Tensor]] = []
@@ -46,6 +49,7 @@ class StateStorage:
         return self.num_checkpoints + slot * self.drafts_per_slot + row
 
     def copy_checkpoint(self, src: int, dst: int) -> None:
+        self._record("copy_checkpoint", src, dst)
         for tensors in self.checkpoints:
             for t in tensors:
                 t[:, dst].copy_(t[:, src])
@@ -57,17 +61,30 @@ class StateStorage:
         gid, idx = entry
         return [t[idx] for t in self.running[gid]], [t[idx] for t in self.checkpoints[gid]]
 
+    def _record(self, op: str, *args: int) -> None:
+        if self.journal is not None:
+            self.journal.append([op, *args])
+
+    def replay(self, journal: list[list]) -> None:
+        for op, *args in journal:
+            if op not in ("reset", "restore", "save", "copy_checkpoint"):
+                raise ValueError(f"unknown state operation {op!r}")
+            getattr(self, op)(*(int(a) for a in args))
+
     def reset(self, slot: int) -> None:
+        self._record("reset", slot)
         for tensors in self.running:
             for t in tensors:
                 t[:, slot].zero_()
 
     def restore(self, slot: int, checkpoint: int) -> None:
+        self._record("restore", slot, checkpoint)
         for run, ckpt in zip(self.running, self.checkpoints):
             for r, c in zip(run, ckpt):
                 r[:, slot].copy_(c[:, checkpoint])
 
     def save(self, slot: int, checkpoint: int) -> None:
+        self._record("save", slot, checkpoint)
         for run, ckpt in zip(self.running, self.checkpoints):
             for r, c in zip(run, ckpt):
                 c[:, checkpoint].copy_(r[:, slot])

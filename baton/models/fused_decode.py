@@ -28,8 +28,13 @@ class FusedDecoder:
             gelu_tanh=cfg.hidden_act == "gelu_pytorch_tanh",
             final_norm=norm.weight,
         )
+        tp = getattr(model, "tp", None)
+        if tp is not None and tp.size > 1:
+            self._decoder.set_all_reduce(tp.all_reduce)
         for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            # a tensor-parallel model's o and MLP sum over the ranks (parallel/shard.py's RowParallel)
+            attn, mlp = layer.self_attn, getattr(layer.mlp, "inner", layer.mlp)
+            o_proj = getattr(attn.o_proj, "inner", attn.o_proj)
             cache = storage.layer_kv(i)
             self._decoder.add_layer(
                 input_norm=layer.input_layernorm.weight,
@@ -40,8 +45,8 @@ class FusedDecoder:
                 k_norm=_weight(attn.k_norm),
                 qkv=attn.qkv_proj.packed,
                 qkv_bias=attn.qkv_proj.bias,
-                o=attn.o_proj.packed,
-                o_bias=attn.o_proj.bias,
+                o=o_proj.packed,
+                o_bias=o_proj.bias,
                 gate_up=mlp.gate_up_proj.packed,
                 down=mlp.down_proj.packed,
                 k_cache=cache.k,

@@ -65,10 +65,16 @@ class SparseMoE(nn.Module):
         return out
 
 
+class ExpertElsewhere(nn.Module):
+    """An expert another tensor-parallel rank holds: its tokens' share of the sum comes from there."""
+
+
 def run_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Each expert on the rows routed to it, scaled by the routing weight, summed per token."""
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
+        if isinstance(experts[e], ExpertElsewhere):
+            continue
         rows, slot = torch.where(ids == e)
         out.index_add_(0, rows, experts[e](x[rows]) * weights[rows, slot, None])
     return out

@@ -46,8 +46,9 @@ void write_kv(const torch::Tensor& src, torch::Tensor& cache, const torch::Tenso
 }
 
 // The parts of a step that profiling times, and their names in profile()
-enum Part { kNorms, kLinears, kAttention, kNumParts };
-constexpr const char* kPartNames[kNumParts] = {"norms, rotary, activation", "linears", "attention (KV write, kernel)"};
+enum Part { kNorms, kLinears, kAttention, kAllReduce, kNumParts };
+constexpr const char* kPartNames[kNumParts] = {"norms, rotary, activation", "linears", "attention (KV write, kernel)",
+                                               "all-reduce (tensor parallel)"};
 
 // With totals given, lap(part) adds the time since the last lap (or the start) to totals[part];
 // without, it does nothing.
@@ -165,6 +166,8 @@ class FusedDecoder {
       watch.lap(kAttention);
       const torch::Tensor o = packed_linear(attn.view({n, q_size}), l.o, l.o_bias, hidden_);
       watch.lap(kLinears);
+      all_reduce(o);
+      watch.lap(kAllReduce);
       const torch::Tensor mlp_in =
           l.pre_ff_norm.defined()
               ? rms_norm(rms_norm(o, c10::nullopt, l.post_attn_norm, eps_, offset_), residual, l.pre_ff_norm, eps_,
@@ -177,12 +180,21 @@ class FusedDecoder {
       watch.lap(kNorms);
       x = packed_linear(act, l.down, c10::nullopt, hidden_);
       watch.lap(kLinears);
+      all_reduce(x);
+      watch.lap(kAllReduce);
       if (l.post_ff_norm.defined()) x = rms_norm(x, c10::nullopt, l.post_ff_norm, eps_, offset_);
     }
     torch::Tensor out = layers_.empty() ? rms_norm(residual, c10::nullopt, final_norm_, eps_, offset_)
                                         : rms_norm(x, residual, final_norm_, eps_, offset_);
     watch.lap(kNorms);
     return out;
+  }
+
+  // Tensor parallel: o and down give this rank's partial sums; `fn(t)` sums t over the ranks in
+  // place (torch.distributed, called back with the GIL). Bound without releasing the GIL.
+  void set_all_reduce(pybind11::object fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    all_reduce_ = std::move(fn);
   }
 
   // Off by default: with it on, forward adds each part's wall time to profile().
@@ -243,9 +255,16 @@ class FusedDecoder {
     }
   }
 
+  void all_reduce(const torch::Tensor& t) {
+    if (!all_reduce_) return;
+    pybind11::gil_scoped_acquire gil;
+    all_reduce_(t);
+  }
+
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_, intermediate_;
   double eps_, offset_, scale_;
   bool gelu_tanh_;
+  pybind11::object all_reduce_;  // none: one rank
   torch::Tensor final_norm_;
   std::vector<DecodeLayer> layers_;
   bool profiling_ = false;
@@ -270,6 +289,7 @@ void bind_fused_decoder(pybind11::module_& m) {
            py::arg("k_cache"), py::arg("v_cache"), py::arg("rope"), py::arg("group"),
            py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), release())
       .def("forward", &FusedDecoder::forward, release())
+      .def("set_all_reduce", &FusedDecoder::set_all_reduce)
       .def("set_profiling", &FusedDecoder::set_profiling, release())
       .def("profile", &FusedDecoder::profile, release());
 }

@@ -1,0 +1,41 @@
+"""Load the model a rank runs: the checkpoint, this rank's tensor-parallel part of it, its packed
+linears. The driver's engine and every other rank call the same function, so they agree."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from baton.config import EngineConfig
+from baton.models.layers import can_pack_linears, describe_linears
+from baton.models.loader import LoadedModel, load_model
+from baton.models.model_config import TextModelConfig
+from baton.parallel.comm import TPGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RankModel:
+    model: nn.Module
+    loaded: LoadedModel
+    local_config: TextModelConfig  # this rank's heads and widths (the whole model's on one rank)
+
+
+def load_rank_model(config: EngineConfig, tp: TPGroup, progress: bool = True) -> RankModel:
+    dtype = getattr(torch, config.model.torch_dtype_name)
+    keep_blocks = config.model.keep_gguf_blocks
+    loaded = load_model(config.model.model, dtype, config.env.cache_dir, progress=progress, keep_blocks=keep_blocks)
+    model, local = loaded.model, loaded.config
+    if tp.size > 1:
+        from baton.parallel.shard import shard_model
+
+        local = shard_model(model, loaded.config, tp)
+    if config.model.packed_linears and can_pack_linears(dtype):
+        model.pack_linears(config.model.quantization)
+        logger.info("%s: %s", loaded.path.name, describe_linears(model))
+    model.fused_decode = config.model.fused_decode and model.fused_decode  # the model may lack it
+    return RankModel(model, loaded, local)

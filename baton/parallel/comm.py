@@ -1,0 +1,97 @@
+"""The process group and the collectives the model's split layers call. Rank 0 is the driver
+(scheduler, KV manager, API); every rank holds its own heads' weights, KV and state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from baton.config import ParallelConfig
+
+# a rank waits this long for the others inside one collective; a dead rank's socket closes and
+# fails the call at once, so this bounds only a rank that hangs
+COLLECTIVE_TIMEOUT = timedelta(seconds=600)
+
+
+@dataclass
+class CommStats:
+    """What the collectives cost on this rank: calls, seconds inside them, bytes each rank sent."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+    by_op: dict[str, list[float]] = field(default_factory=dict)  # op -> [calls, seconds, bytes]
+
+    def add(self, op: str, seconds: float, nbytes: int) -> None:
+        self.calls += 1
+        self.seconds += seconds
+        self.bytes += nbytes
+        entry = self.by_op.setdefault(op, [0, 0.0, 0])
+        entry[0] += 1
+        entry[1] += seconds
+        entry[2] += nbytes
+
+    def reset(self) -> None:
+        self.calls, self.seconds, self.bytes = 0, 0.0, 0
+        self.by_op.clear()
+
+
+@dataclass
+class TPGroup:
+    """This rank's place in the tensor-parallel group (size 1: no group, no communication)."""
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+    stats: CommStats = field(default_factory=CommStats)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place (the row-parallel projections' partial sums)."""
+        if self.size == 1:
+            return x
+        start = time.perf_counter()
+        dist.all_reduce(x, group=self.group)
+        # a ring all-reduce sends 2 (n - 1) / n of the tensor from every rank
+        self.stats.add("all_reduce", time.perf_counter() - start, 2 * (self.size - 1) * x.nbytes // self.size)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' x concatenated along the last dimension (vocabulary-parallel logits)."""
+        if self.size == 1:
+            return x
+        start = time.perf_counter()
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        self.stats.add("all_gather", time.perf_counter() - start, (self.size - 1) * x.nbytes)
+        return torch.cat(parts, dim=-1)
+
+
+def backend_for(parallel: ParallelConfig) -> str:
+    if parallel.distributed_backend != "auto":
+        return parallel.distributed_backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group(parallel: ParallelConfig, rank: int) -> TPGroup:
+    """Join the world (torchrun's conventions: rank 0 listens at master_addr:master_port) and
+    return this rank's tensor-parallel group. Ranks r*tp .. r*tp + tp - 1 form pipeline stage r."""
+    dist.init_process_group(
+        backend_for(parallel),
+        init_method=f"tcp://{parallel.master_addr}:{parallel.master_port}",
+        rank=rank,
+        world_size=parallel.world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    tp = parallel.tensor_parallel_size
+    groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(parallel.pipeline_parallel_size)]
+    return TPGroup(rank % tp, tp, groups[rank // tp])
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

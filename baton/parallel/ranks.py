@@ -1,0 +1,131 @@
+"""The driver's side of a tensor-parallel engine: start the other ranks of this host, join the
+process group, send each step's metadata, and notice a rank that dies.
+
+The driver (rank 0) runs the one scheduler and the one KV manager; the other ranks hold their
+heads' weights, KV and state, and run what the driver sends (`baton/parallel/worker.py`)."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+import torch
+
+from baton.config import EngineConfig
+from baton.kv.memory import CacheMemory
+from baton.parallel import messages
+from baton.parallel.comm import TPGroup, destroy_process_group, init_process_group
+
+logger = logging.getLogger(__name__)
+
+
+class RanksLost(RuntimeError):
+    """A rank of this engine died: the engine cannot run another step."""
+
+
+def spawn_ranks(config: EngineConfig, ranks: range) -> list[subprocess.Popen]:
+    """One process per rank, handed the config through a pipe (a command line is world-readable)."""
+    procs = []
+    for rank in ranks:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "baton.parallel.worker", "--rank", str(rank)], stdin=subprocess.PIPE
+        )
+        assert proc.stdin is not None
+        proc.stdin.write(config.to_json().encode())
+        proc.stdin.close()
+        procs.append(proc)
+    return procs
+
+
+class Ranks:
+    def __init__(self, config: EngineConfig, procs: list[subprocess.Popen], tp: TPGroup) -> None:
+        self.config = config
+        self.procs = procs
+        self.tp = tp
+        self.lost: str | None = None  # why, once a rank died
+        self.on_lost: list[Callable[[str], None]] = []
+        self._stopping = threading.Event()
+        atexit.register(self.stop)
+        threading.Thread(target=self._watch, name="baton-ranks", daemon=True).start()
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> Ranks:
+        parallel = config.parallel
+        if parallel.node_rank != 0:
+            raise ValueError("only node 0 runs the engine; start other nodes with `baton serve --node-rank N`")
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError("pipeline parallelism is not built yet: --pipeline-parallel-size must be 1")
+        procs = spawn_ranks(config, range(1, parallel.ranks_per_node))
+        try:
+            tp = init_process_group(parallel, 0)
+        except BaseException:
+            for p in procs:
+                p.kill()
+            raise
+        logger.info(
+            "tensor parallel over %d ranks (%d on this host), backend %s",
+            parallel.world_size,
+            parallel.ranks_per_node,
+            torch.distributed.get_backend(),
+        )
+        return cls(config, procs, tp)
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(0.2):
+            for rank, proc in enumerate(self.procs, start=1):
+                code = proc.poll()
+                if code is not None and not self._stopping.is_set():
+                    self._lose(f"rank {rank} exited with code {code}")
+                    return
+
+    def _lose(self, why: str) -> None:
+        if self.lost is not None:
+            return
+        self.lost = why
+        logger.error("tensor-parallel %s: this engine cannot step any more", why)
+        for callback in self.on_lost:
+            callback(why)
+
+    def send(self, message: dict) -> None:
+        if self.lost is not None:
+            raise RanksLost(self.lost)
+        try:
+            messages.broadcast(message)
+        except RuntimeError as e:  # a peer's socket closed under the collective
+            self._lose(f"a collective failed ({e})")
+            raise RanksLost(str(self.lost)) from e
+
+    def build_caches(self, memory: CacheMemory, kv_dtype: torch.dtype) -> None:
+        """The pools' sizes, decided here, for every rank's own KV and state tensors."""
+        memory.states.journal = []
+        self.send(
+            {
+                "op": "caches",
+                "num_blocks": [p.num_blocks for p in memory.kv.pools],
+                "num_state_slots": memory.kv.num_state_slots,
+                "num_checkpoints": memory.states.num_checkpoints,
+                "drafts_per_slot": memory.states.drafts_per_slot,
+                "kv_dtype": str(kv_dtype).removeprefix("torch."),
+                "kv_layout": memory.storage.layout,
+            }
+        )
+
+    def stop(self) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self.lost is None:
+            try:
+                messages.broadcast({"op": "stop"})
+            except RuntimeError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        destroy_process_group()
