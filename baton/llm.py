@@ -22,6 +22,10 @@ class LLM:
         logging.basicConfig(level=config.env.log_level, format="%(levelname)s %(name)s: %(message)s")
         self.engine = LLMEngine(config, progress=progress)
 
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (also done at exit)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

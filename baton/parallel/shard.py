@@ -18,9 +18,11 @@ from torch import nn
 
 from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor
 from baton.models.layers import BlockEmbedding
-from baton.models.llama import Attention, GatedMLP
+from baton.models.llama import Attention, GatedMLP, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import MLP, ExpertElsewhere, GroupedSigmoidMoE, SparseMoE
+from baton.models.qwen3_next import GatedAttention, GatedDeltaNet
+from baton.models.qwen3_next import layer_kinds as qwen3_next_layer_kinds
 from baton.parallel.comm import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -167,6 +169,8 @@ def shard_model(model: nn.Module, cfg: TextModelConfig, tp: TPGroup) -> TextMode
         for k, v in sharder.blocks.items()
     }
     model.cfg, model.tp = local, tp
+    if type(model).forward is not LlamaForCausalLM.forward:  # its own one-call decode step sums nothing
+        model.fused_decode = False
     return local
 
 
@@ -199,8 +203,12 @@ def _shard_layer(layer: nn.Module, cfg: TextModelConfig, local: TextModelConfig,
     attn = getattr(layer, "self_attn", None)
     if isinstance(attn, Attention):
         local = _shard_attention(attn, local, sharder)
+    elif isinstance(attn, GatedAttention):
+        local = _shard_gated_attention(attn, local, sharder)
     elif attn is not None:
         raise ValueError(f"tensor parallelism does not split {type(attn).__name__} layers yet")
+    if isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet):
+        local = _shard_gated_delta_net(layer.linear_attn, local, sharder)
     mlp = getattr(layer, "mlp", None)
     if isinstance(mlp, (GatedMLP, MLP)):
         inter = mlp.down_proj.in_features
@@ -226,6 +234,41 @@ def _shard_attention(attn: Attention, local: TextModelConfig, sharder: Sharder) 
     attn.num_heads, attn.num_kv_heads = len(q), len(kv)
     attn.sizes = (len(q) * d, len(kv) * d, len(kv) * d)
     return dataclasses.replace(local, num_heads=len(q), num_kv_heads=len(kv))
+
+
+def _shard_gated_attention(attn: GatedAttention, local: TextModelConfig, sharder: Sharder) -> TextModelConfig:
+    """Qwen3-Next's: q_proj holds each head's query and output gate, [2 d] rows per head."""
+    tp, d = sharder.tp, attn.head_dim
+    q, kv = head_split(attn.num_heads, attn.num_kv_heads, tp.size, tp.rank)
+    attn.q_proj = sharder.take_rows(attn.q_proj, _rows(q, 2 * d))
+    attn.k_proj = sharder.take_rows(attn.k_proj, _rows(kv, d))
+    attn.v_proj = sharder.take_rows(attn.v_proj, _rows(kv, d))
+    attn.o_proj = RowParallel(sharder.take_cols(attn.o_proj, range(q.start * d, q.stop * d), tp.rank == 0), tp)
+    attn.num_heads, attn.num_kv_heads = len(q), len(kv)
+    return dataclasses.replace(local, num_heads=len(q), num_kv_heads=len(kv))
+
+
+def _shard_gated_delta_net(gdn: GatedDeltaNet, local: TextModelConfig, sharder: Sharder) -> TextModelConfig:
+    """Split by key heads, each with its r = vh / kh value heads: the projections' rows are laid
+    out per key head, the conv channels as [q | k | v], the state per value head."""
+    tp = sharder.tp
+    if gdn.kh % tp.size:
+        raise ValueError(f"{gdn.kh} Gated DeltaNet key heads do not split over {tp.size} ranks")
+    kh = even_split(gdn.kh, tp.size, tp.rank)
+    r, dk, dv = gdn.vh // gdn.kh, gdn.dk, gdn.dv
+    vh = range(kh.start * r, kh.stop * r)
+    gdn.in_proj_qkvz = sharder.take_rows(gdn.in_proj_qkvz, _rows(kh, 2 * dk + 2 * r * dv))
+    gdn.in_proj_ba = sharder.take_rows(gdn.in_proj_ba, _rows(kh, 2 * r))
+    channels = torch.cat([_rows(kh, dk), _rows(kh, dk, gdn.key_dim), _rows(vh, dv, 2 * gdn.key_dim)])
+    gdn.conv1d.weight = nn.Parameter(gdn.conv1d.weight.data[channels].clone(), requires_grad=False)
+    gdn.dt_bias = nn.Parameter(gdn.dt_bias.data[vh.start : vh.stop].clone(), requires_grad=False)
+    gdn.A_log = nn.Parameter(gdn.A_log.data[vh.start : vh.stop].clone(), requires_grad=False)
+    gdn.out_proj = RowParallel(sharder.take_cols(gdn.out_proj, range(vh.start * dv, vh.stop * dv), tp.rank == 0), tp)
+    gdn.kh, gdn.vh = len(kh), len(vh)
+    gdn.key_dim, gdn.value_dim = len(kh) * dk, len(vh) * dv
+    gdn.conv_dim = 2 * gdn.key_dim + gdn.value_dim
+    hf = {**local.hf, "linear_num_key_heads": len(kh), "linear_num_value_heads": len(vh)}
+    return dataclasses.replace(local, hf=hf, layer_kinds=qwen3_next_layer_kinds(hf))
 
 
 def _shard_gated_mlp(mlp: nn.Module, sharder: Sharder) -> None:

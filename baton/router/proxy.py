@@ -82,7 +82,7 @@ class Router:
     def __init__(self, workers: WorkerSet, settings: RouterSettings, prefill: RemotePrefill | None = None) -> None:
         self.workers = workers
         self.settings = settings
-        self.policy = make_policy(settings.policy, settings.prefix_tokens_per_request)
+        self.policy = make_policy(settings.policy, settings.prefix_tokens_per_request, settings.min_prefix_share)
         self.prefill = prefill
         self.failovers = 0
         self.session: aiohttp.ClientSession | None = None
@@ -102,7 +102,7 @@ class Router:
         if not candidates:
             return None
         prefix_tokens = [self.settings.chunks_to_tokens(w.index.match(hashes)) for w in candidates]
-        i = self.policy.choose(candidates, prefix_tokens)
+        i = self.policy.choose(candidates, prefix_tokens, self.settings.chunks_to_tokens(len(hashes)))
         worker = candidates[i]
         worker.index.insert(hashes)
         worker.requests += 1

@@ -24,6 +24,13 @@ class RouterSettings:
             "prefix hit in tokens / N minus its in-flight requests; the highest score wins"
         ),
     )
+    min_prefix_share: float = field(
+        default=0.5,
+        metadata=_help(
+            "cache_aware: a worker's cached prefix counts only if it covers at least this share of the "
+            "request; below it, a request goes to the least loaded worker, then the one caching the least"
+        ),
+    )
     chars_per_token: float = field(
         default=4.0, metadata=_help("converts a matched prefix in characters to its estimated tokens")
     )
@@ -47,6 +54,8 @@ class RouterSettings:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not self.prefix_tokens_per_request > 0:
             raise ValueError(f"prefix_tokens_per_request must be positive, got {self.prefix_tokens_per_request}")
+        if not 0.0 <= self.min_prefix_share <= 1.0:
+            raise ValueError(f"min_prefix_share must be in [0, 1], got {self.min_prefix_share}")
         if not self.chars_per_token > 0:
             raise ValueError(f"chars_per_token must be positive, got {self.chars_per_token}")
         if self.chunk_chars < 1 or self.cache_tokens_per_worker < 1:

@@ -1,0 +1,105 @@
+"""Tensor parallel over two gloo ranks on this host gives TP=1's greedy tokens, and logits within
+1e-4 of it (the row-parallel sums in another order are the only difference), for the shipped
+models and random attention and MoE configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton import LLM, SamplingParams
+from baton.bench.procs import free_port
+from baton.parallel.shard import even_split, head_split
+from tests.test_mtp import GLM
+from tests.test_random_models import make_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Write a long story about a lighthouse keeper. " * 12,
+]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def test_head_split_takes_whole_kv_groups_or_replicates_kv_heads():
+    assert [head_split(9, 3, 2, r) for r in range(2)] == [(range(0, 6), range(0, 2)), (range(6, 9), range(2, 3))]
+    assert [head_split(4, 1, 2, r) for r in range(2)] == [(range(0, 2), range(0, 1)), (range(2, 4), range(0, 1))]
+    assert [head_split(8, 2, 4, r) for r in range(4)] == [
+        (range(0, 2), range(0, 1)),
+        (range(2, 4), range(0, 1)),
+        (range(4, 6), range(1, 2)),
+        (range(6, 8), range(1, 2)),
+    ]
+    assert [even_split(10, 3, r) for r in range(3)] == [range(0, 4), range(4, 7), range(7, 10)]
+    with pytest.raises(ValueError, match="do not split"):
+        head_split(6, 2, 4, 0)
+
+
+def _run(model: str, tp: int, prompts: list, **settings) -> tuple[list[list[int]], list[torch.Tensor]]:
+    llm = LLM(model, progress=False, tensor_parallel_size=tp, master_port=free_port(), **settings)
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        logits = [llm.prompt_logits(p) for p in prompts[:2]]
+        return [list(o.outputs[0].token_ids) for o in outs], logits
+    finally:
+        llm.shutdown()
+
+
+def _same(model: str, prompts: list, **settings) -> None:
+    tokens1, logits1 = _run(model, 1, prompts, **settings)
+    tokens2, logits2 = _run(model, 2, prompts, **settings)
+    assert tokens2 == tokens1
+    for a, b in zip(logits1, logits2):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_shipped_models_tp2_match_tp1(model):
+    _same(model, PROMPTS, max_model_len=1024)
+
+
+def test_random_llama_with_fewer_kv_heads_than_ranks(tmp_path):
+    _, path = make_model(tmp_path, "LlamaForCausalLM", num_key_value_heads=1, tie_word_embeddings=False)
+    ids = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+           for n in (5, 40, 90)]
+    _same(str(path), ids, block_size=4, max_num_batched_tokens=32)
+
+
+def test_random_glm_moe_experts_split_over_ranks(tmp_path):
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = {**GLM, "num_nextn_predict_layers": 0}
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(**config)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path)
+    ids = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+           for n in (7, 33, 70)]
+    _same(str(tmp_path), ids, block_size=4, max_num_batched_tokens=32)
+
+
+def test_random_qwen3_next_hybrid_with_prefix_hits(tmp_path):
+    """Gated DeltaNet split by key heads, gated attention by heads, MoE experts by rank; the
+    second round resumes from recurrent checkpoints (the driver's restores replayed per rank)."""
+    from tests.test_recurrent_hybrid import QWEN3_NEXT
+
+    _, path = make_model(tmp_path, "Qwen3NextForCausalLM", **QWEN3_NEXT)
+    base = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    ids = [{"prompt_token_ids": p} for p in (base[:9], base, base[:40] + [1, 2, 3])]
+    results = []
+    for tp in (1, 2):
+        llm = LLM(str(path), progress=False, tensor_parallel_size=tp, master_port=free_port(), block_size=8,
+                  max_num_batched_tokens=32)
+        try:
+            first = llm.generate(ids, GREEDY, use_tqdm=False)
+            again = llm.generate(ids[1:], GREEDY, use_tqdm=False)  # prefix hits on checkpoints
+            assert all(o.num_cached_tokens > 0 for o in again)
+            results.append(([list(o.outputs[0].token_ids) for o in first + again], llm.prompt_logits(ids[1])))
+        finally:
+            llm.shutdown()
+    assert results[1][0] == results[0][0]
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=1e-4)
