@@ -179,7 +179,8 @@ class RouterProcess:
 
     def metric(self, name: str, worker: str) -> float:
         text = requests.get(f"{self.base_url}/metrics", timeout=10).text
-        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f'{name}{{worker="{worker}"')))
+        prefix = f'{name}{{worker="{worker}"'
+        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(prefix)))
 
 
 @pytest.fixture(scope="module")

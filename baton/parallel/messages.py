@@ -86,14 +86,14 @@ def _numel(shape: list[int]) -> int:
 
 
 def broadcast(tree: Any | None, src: int = 0) -> Any:
-    """Rank `src` sends `tree`; every rank returns it."""
+    """Rank `src` sends `tree` (and gets the bytes it sent each rank); every other rank returns it."""
     if dist.get_rank() == src:
         header, payload = encode(tree)
         sizes = torch.tensor([len(header), payload.numel()], dtype=torch.int64)
         dist.broadcast(sizes, src)
         buf = torch.cat([torch.frombuffer(bytearray(header), dtype=torch.uint8), payload])
         dist.broadcast(buf, src)
-        return tree
+        return sizes.nbytes + buf.numel()
     sizes = torch.empty(2, dtype=torch.int64)
     dist.broadcast(sizes, src)
     header_len, payload_len = sizes.tolist()

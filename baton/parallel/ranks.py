@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -94,7 +95,9 @@ class Ranks:
         if self.lost is not None:
             raise RanksLost(self.lost)
         try:
-            messages.broadcast(message)
+            start = time.perf_counter()
+            nbytes = messages.broadcast(message)
+            self.tp.stats.add("broadcast", time.perf_counter() - start, nbytes * (self.config.parallel.world_size - 1))
         except RuntimeError as e:  # a peer's socket closed under the collective
             self._lose(f"a collective failed ({e})")
             raise RanksLost(str(self.lost)) from e
