@@ -61,8 +61,10 @@ def test_shipped_models_tp2_match_tp1(model):
 
 def test_random_llama_with_fewer_kv_heads_than_ranks(tmp_path):
     _, path = make_model(tmp_path, "LlamaForCausalLM", num_key_value_heads=1, tie_word_embeddings=False)
-    ids = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
-           for n in (5, 40, 90)]
+    ids = [
+        {"prompt_token_ids": torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+        for n in (5, 40, 90)
+    ]
     _same(str(path), ids, block_size=4, max_num_batched_tokens=32)
 
 
@@ -77,8 +79,10 @@ def test_random_glm_moe_experts_split_over_ranks(tmp_path):
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(tmp_path)
-    ids = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
-           for n in (7, 33, 70)]
+    ids = [
+        {"prompt_token_ids": torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+        for n in (7, 33, 70)
+    ]
     _same(str(tmp_path), ids, block_size=4, max_num_batched_tokens=32)
 
 
@@ -92,8 +96,14 @@ def test_random_qwen3_next_hybrid_with_prefix_hits(tmp_path):
     ids = [{"prompt_token_ids": p} for p in (base[:9], base, base[:40] + [1, 2, 3])]
     results = []
     for tp in (1, 2):
-        llm = LLM(str(path), progress=False, tensor_parallel_size=tp, master_port=free_port(), block_size=8,
-                  max_num_batched_tokens=32)
+        llm = LLM(
+            str(path),
+            progress=False,
+            tensor_parallel_size=tp,
+            master_port=free_port(),
+            block_size=8,
+            max_num_batched_tokens=32,
+        )
         try:
             first = llm.generate(ids, GREEDY, use_tqdm=False)
             again = llm.generate(ids[1:], GREEDY, use_tqdm=False)  # prefix hits on checkpoints
@@ -103,3 +113,35 @@ def test_random_qwen3_next_hybrid_with_prefix_hits(tmp_path):
             llm.shutdown()
     assert results[1][0] == results[0][0]
     torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["grouped", pytest.param("dense", marks=pytest.mark.slow)])
+def test_pd_between_tp1_and_tp2_gives_the_lone_workers_tokens(fmt):
+    """A TP=1 prefill's span imports into a TP=2 decoder (heads split on import) and a TP=2
+    prefill's span (heads gathered on export) into a TP=1 decoder; both decode the lone worker's
+    tokens. The TP=2 side also differs in block size and KV layout."""
+    from tests.test_handoff import prefill_span, run_imported
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    one = LLM("smollm2-135m", progress=False, max_model_len=1024)
+    two = LLM(
+        "smollm2-135m",
+        progress=False,
+        max_model_len=1024,
+        tensor_parallel_size=2,
+        master_port=free_port(),
+        block_size=32,
+        kv_layout="HND",
+    )
+    try:
+        tok = one.get_tokenizer()
+        for prompt in PROMPTS:
+            ids = tok.encode(prompt)
+            alone = list(one.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids)
+            into_two = run_imported(two, ids, prefill_span(one, ids, fmt), params)
+            assert list(into_two.outputs[0].token_ids) == alone
+            into_one = run_imported(one, ids, prefill_span(two, ids, fmt), params)
+            assert list(into_one.outputs[0].token_ids) == alone
+        assert one.engine.num_kv_imports == two.engine.num_kv_imports == len(PROMPTS)
+    finally:
+        two.shutdown()

@@ -16,8 +16,12 @@ import requests
 from baton.bench.procs import free_port, process_tree
 from tests.server_util import ServerProcess
 
-PROMPT = {"model": "smollm2-135m", "prompt": "The three most useful things to know about paged attention are",
-          "max_tokens": 24, "temperature": 0}
+PROMPT = {
+    "model": "smollm2-135m",
+    "prompt": "The three most useful things to know about paged attention are",
+    "max_tokens": 24,
+    "temperature": 0,
+}
 SMALL = ("--max-model-len", "1024", "--kv-cache-memory-bytes", str(64 << 20))
 
 

@@ -24,9 +24,11 @@ from baton.handoff.span import model_fingerprint
 from baton.handoff.transfer import apply_import, export_span
 from baton.handoff.validate import ImportPlan, plan_import
 from baton.kv.memory import build_cache_memory
+from baton.kv.spec import KVSpec
 from baton.outputs import RequestOutput
 from baton.parallel.comm import TPGroup
 from baton.parallel.ranks import Ranks
+from baton.parallel.shard import kv_head_shares
 from baton.sampling_params import SamplingParams
 from baton.spec.decoder import SpecDecoder
 from baton.spec.verify import accept_drafts
@@ -65,8 +67,10 @@ class LLMEngine:
         memory = build_cache_memory(
             rank_model.local_config, cache, sched, kv_dtype, spec.num_speculative_tokens if spec else 0
         )
+        self.heads_spec, self.kv_reader = None, None  # tensor parallel: spans carry every rank's heads
         if self.ranks is not None:
             self.ranks.build_caches(memory, kv_dtype)
+            self._split_handoff(memory, kv_dtype)
         self.kv_spec, self.kv, self.storage, self.states = memory.spec, memory.kv, memory.storage, memory.states
         self.max_model_len = memory.max_model_len
         self.fingerprint = model_fingerprint(mc, loaded.source.header(), loaded.weights_content_sha256)
@@ -86,6 +90,19 @@ class LLMEngine:
         self._touched: set[str] = set()  # requests changed outside a step (an import), reported next step
         self._exports: list[tuple[Request, int]] = []  # prefill-only requests of this step, and their first token
         self._ids = itertools.count()
+
+    def _split_handoff(self, memory, kv_dtype: torch.dtype) -> None:
+        """Spans hold every KV head: validated against the whole model's heads, exported from
+        every rank's, imported as each rank's share."""
+        mc, tp = self.model_config, self.ranks.tp
+        if memory.spec.has_state and self.config.kv_transfer.kv_role != "none":
+            raise ValueError(
+                "a KV handoff of recurrent state across tensor-parallel ranks is not built: use --kv-role none"
+            )
+        shares = kv_head_shares(mc, tp.size)
+        memory.storage.kv_heads = shares[tp.rank]
+        self.heads_spec = KVSpec.build(mc.layer_kinds, mc.num_kv_heads, mc.head_dim, self.config.cache.block_size)
+        self.kv_reader = self.ranks.kv_reader(memory.storage, self.config.cache.block_size, shares, mc.num_kv_heads)
 
     def _spec_decoder(self, config: EngineConfig, progress: bool) -> SpecDecoder:
         spec = config.speculative
@@ -176,7 +193,9 @@ class LLMEngine:
         req = Request(f"{request_id}#0", token_ids, params, self.eos_token_ids, self.max_model_len, prompt=text)
         req.bad_words_token_ids = bad_words
         self._attach_grammar(req)
-        apply_import(self.kv, self.storage, self.states, req.request_id, plan)
+        written = apply_import(self.kv, self.storage, self.states, req.request_id, plan)
+        if self.ranks is not None:
+            self.ranks.write_kv(written)
         req.num_computed_tokens = len(token_ids)
         if self.spec is not None and hasattr(self.spec.draft, "imported"):
             # the MTP drafter needs the target's hidden state at the last prompt position: its first
@@ -245,6 +264,7 @@ class LLMEngine:
             kv_dtype=self.storage.dtype,
             vocab_size=self.model_config.vocab_size,
             expected_tokens=expected_tokens,
+            heads_spec=self.heads_spec,
         )
 
     def abort_request(self, request_id: str) -> None:
@@ -310,6 +330,7 @@ class LLMEngine:
                     first_token,
                     req.export_kv,
                     self.states,
+                    self.kv_reader,
                 )
                 req.kv_span = wire.encode(span, self.kv_secret)
             self._exports.clear()

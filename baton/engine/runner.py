@@ -29,7 +29,12 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv: KVManager, storage: KVStorage, states: StateStorage, ranks: Ranks | None = None
+        self,
+        model: torch.nn.Module,
+        kv: KVManager,
+        storage: KVStorage,
+        states: StateStorage,
+        ranks: Ranks | None = None,
     ) -> None:
         self.model = model
         self.ranks = ranks  # tensor parallel: the other ranks run every forward with this metadata

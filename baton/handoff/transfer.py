@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -28,6 +30,27 @@ def held_start(kv: KVManager, request_id: str, group_id: int) -> int:
     return next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table)) * kv.block_size
 
 
+# A group's K/V (and fp8 scales) at some slots: [("k", [layers, T, heads, dim], per-position
+# scales [layers, T, heads, 1] or None), ("v", ...)]. Tensor parallel reads every rank's heads.
+GroupReader = Callable[[int, torch.Tensor], list[tuple[str, torch.Tensor, torch.Tensor | None]]]
+
+
+def read_group(storage: KVStorage, block_size: int) -> GroupReader:
+    """This process's own KV: fp8 as its bits (uint8: torch indexes those)."""
+
+    def read(group_id: int, slots: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        k, v = storage.group_view(group_id)
+        if storage.dtype != FP8:
+            return [("k", k[:, slots], None), ("v", v[:, slots], None)]
+        scales = (storage.k_scale[group_id], storage.v_scale[group_id])
+        return [
+            (kind, t.view(torch.uint8)[:, slots], scale[:, slots // block_size, :, None])
+            for kind, t, scale in (("k", k, scales[0]), ("v", v, scales[1]))
+        ]
+
+    return read
+
+
 def export_span(
     kv: KVManager,
     storage: KVStorage,
@@ -37,6 +60,7 @@ def export_span(
     first_token: int,
     fmt: str = "grouped",
     states: StateStorage | None = None,
+    read: GroupReader | None = None,
 ) -> KVSpan:
     """Grouped: one K and V per group, sliding groups their last `window` positions.
     Dense: one K and V over all layers and positions; each layer's `layer_starts` entry says from
@@ -44,6 +68,7 @@ def export_span(
     positions before are zeros: nothing is read that this worker no longer holds."""
     if fmt not in ("grouped", "dense"):
         raise ValueError(f"span format must be 'grouped' or 'dense', not {fmt!r}")
+    read = read or read_group(storage, kv.block_size)
     n = len(prompt_token_ids)
     span = KVSpan(fingerprint, list(prompt_token_ids), first_token, storage.span_layout, str(storage.dtype)[6:])
     if kv.spec.has_state:  # the slot holds the state after the whole prompt: position n
@@ -52,51 +77,31 @@ def export_span(
         for sg in kv.spec.state_groups:
             for j, t in enumerate(states.running[sg.group_id]):
                 span.tensors.append(SpanTensor("state", sg.layer_ids, n, t[:, slot].clone(), None, j))
-    bs = kv.block_size
     if fmt == "grouped":
         for g in kv.spec.groups:
             start = max(0, n - g.kind.window) if g.kind.is_sliding else 0
-            slots = _slots(kv, request_id, g.group_id, np.arange(start, n))
-            for kind, data, scale in _group_tensors(storage, g.group_id):  # [layers, slots, heads, dim]
-                held = data[:, slots]
+            for kind, held, scale in read(g.group_id, _slots(kv, request_id, g.group_id, np.arange(start, n))):
                 span.tensors.append(SpanTensor(kind, g.layer_ids, start, _out(held, span.layout)))
-                if scale is not None:  # [layers, blocks, heads] -> per position [layers, T, heads, 1]
-                    per_position = scale[:, slots // bs, :, None]
-                    span.tensors.append(
-                        SpanTensor(SCALE_KINDS[kind], g.layer_ids, start, _out(per_position, span.layout))
-                    )
+                if scale is not None:
+                    span.tensors.append(SpanTensor(SCALE_KINDS[kind], g.layer_ids, start, _out(scale, span.layout)))
         return span
     num_layers = fingerprint["num_layers"]
     layer_starts = [n] * num_layers  # layers without K/V (recurrent) hold nothing
     dense: dict[str, torch.Tensor] = {}
-    for kind, data, scale in _group_tensors(storage, 0):
-        dense[kind] = torch.zeros((num_layers, n, *data.shape[2:]), dtype=data.dtype)
-        if scale is not None:
-            dense[SCALE_KINDS[kind]] = torch.zeros((num_layers, n, data.shape[2], 1))
     for g in kv.spec.groups:
         start = min(held_start(kv, request_id, g.group_id), n)
-        slots = _slots(kv, request_id, g.group_id, np.arange(start, n))
-        for kind, data, scale in _group_tensors(storage, g.group_id):
-            dense[kind][list(g.layer_ids), start:] = data[:, slots]
-            if scale is not None:
-                dense[SCALE_KINDS[kind]][list(g.layer_ids), start:] = scale[:, slots // bs, :, None]
+        for kind, held, scale in read(g.group_id, _slots(kv, request_id, g.group_id, np.arange(start, n))):
+            for name, t in ((kind, held), (SCALE_KINDS[kind], scale)):
+                if t is None:
+                    continue
+                if name not in dense:
+                    dense[name] = torch.zeros((num_layers, n, *t.shape[2:]), dtype=t.dtype)
+                dense[name][list(g.layer_ids), start:] = t
         for layer_id in g.layer_ids:
             layer_starts[layer_id] = start
     for kind, data in dense.items():
         span.tensors.append(SpanTensor(kind, tuple(range(num_layers)), 0, _out(data, span.layout), tuple(layer_starts)))
     return span
-
-
-def _group_tensors(storage: KVStorage, group_id: int) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
-    """("k", K, its scales) and ("v", V, its scales) of a group: [layers, slots, heads, dim], fp8 as
-    its bits (uint8: torch indexes those), scales [layers, blocks, heads] or None."""
-    k, v = storage.group_view(group_id)
-    if storage.dtype != FP8:
-        return [("k", k, None), ("v", v, None)]
-    return [
-        ("k", k.view(torch.uint8), storage.k_scale[group_id]),
-        ("v", v.view(torch.uint8), storage.v_scale[group_id]),
-    ]
 
 
 def _out(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -105,13 +110,34 @@ def _out(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t.view(FP8) if t.dtype == torch.uint8 else t
 
 
-def apply_import(kv: KVManager, storage: KVStorage, states: StateStorage, request_id: str, plan: ImportPlan) -> None:
-    """Allocate and write; only called with a plan that `plan_import` has checked."""
+def apply_import(
+    kv: KVManager, storage: KVStorage, states: StateStorage, request_id: str, plan: ImportPlan
+) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Allocate and write; only called with a plan that `plan_import` has checked. Returns each
+    group's (id, slots, K, V) with every head: tensor parallel's other ranks write their heads."""
     if not kv.allocate_for_import(request_id, len(plan.prompt_token_ids)):
         raise RuntimeError("free blocks vanished between validation and import")  # single owner: cannot happen
     for gid, j, t in plan.states:
         states.running[gid][j][:, kv.state_slots[request_id]].copy_(t)
+    written = []
     for w in plan.writes:
         slots = _slots(kv, request_id, w.group_id, w.positions)
-        for i, layer_id in enumerate(kv.spec.groups[w.group_id].layer_ids):
-            storage.layer_kv(layer_id).write(slots, w.k[i], w.v[i], kv.block_size, fresh=True)
+        write_group(kv.spec.groups[w.group_id].layer_ids, storage, kv.block_size, slots, w.k, w.v, storage.kv_heads)
+        written.append((w.group_id, slots, w.k, w.v))
+    return written
+
+
+def write_group(
+    layer_ids: tuple[int, ...],
+    storage: KVStorage,
+    block_size: int,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    heads: range | None,
+) -> None:
+    """K and V [layers, T, every head, dim] into a group's layers; `heads`: this rank's share."""
+    if heads is not None:
+        k, v = k[:, :, heads.start : heads.stop], v[:, :, heads.start : heads.stop]
+    for i, layer_id in enumerate(layer_ids):
+        storage.layer_kv(layer_id).write(slots, k[i], v[i], block_size, fresh=True)

@@ -229,13 +229,15 @@ def plan_import(
     kv_dtype: torch.dtype,
     vocab_size: int,
     expected_tokens: list[int] | None,
+    heads_spec: KVSpec | None = None,
 ) -> ImportPlan:
     header, body = wire.read_header(blob, secret)
     check_header(header, fingerprint, vocab_size, expected_tokens)
     spec = kv.spec
     n = len(header["prompt_token_ids"])
     layout = header["layout"]
-    receiver = _Receiver(spec, fingerprint["num_layers"])
+    # tensor parallel: a span carries every KV head, this rank's spec only its own
+    receiver = _Receiver(heads_spec or spec, fingerprint["num_layers"])
     sources: dict[tuple[str, tuple[int, ...], int | None], _Source] = {}
     for i, e in enumerate(header["tensors"]):
         src = check_tensor(i, e, n, layout, receiver, body)

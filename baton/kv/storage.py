@@ -71,6 +71,7 @@ class KVStorage:
         self.spec = spec
         self.dtype = dtype
         self.layout = layout
+        self.kv_heads: range | None = None  # tensor parallel: which of the model's KV heads these are
         self.span_layout = KV_LAYOUTS[layout]
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []

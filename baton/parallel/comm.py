@@ -70,6 +70,24 @@ class TPGroup:
         self.stats.add("all_gather", time.perf_counter() - start, (self.size - 1) * x.nbytes)
         return torch.cat(parts, dim=-1)
 
+    def gather_heads(self, x: torch.Tensor, heads: list[range], num_heads: int) -> torch.Tensor | None:
+        """Every rank's x [..., its heads, dim] (dim -2) put together on rank 0 as [..., num_heads,
+        dim]; None elsewhere. Shares may differ in size (padded for the gather) and overlap
+        (replicated KV heads: the same values)."""
+        width = max(len(h) for h in heads)
+        padded = torch.zeros((*x.shape[:-2], width, x.shape[-1]), dtype=x.dtype)
+        padded[..., : x.shape[-2], :] = x
+        start = time.perf_counter()
+        parts = [torch.empty_like(padded) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(padded, parts, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        self.stats.add("gather", time.perf_counter() - start, padded.nbytes)
+        if parts is None:
+            return None
+        out = torch.empty((*x.shape[:-2], num_heads, x.shape[-1]), dtype=x.dtype)
+        for part, share in zip(parts, heads):
+            out[..., share.start : share.stop, :] = part[..., : len(share), :]
+        return out
+
 
 def backend_for(parallel: ParallelConfig) -> str:
     if parallel.distributed_backend != "auto":

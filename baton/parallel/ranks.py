@@ -17,7 +17,9 @@ from collections.abc import Callable
 import torch
 
 from baton.config import EngineConfig
+from baton.handoff.transfer import GroupReader, read_group
 from baton.kv.memory import CacheMemory
+from baton.kv.storage import KVStorage
 from baton.parallel import messages
 from baton.parallel.comm import TPGroup, destroy_process_group, init_process_group
 
@@ -116,6 +118,21 @@ class Ranks:
                 "kv_layout": memory.storage.layout,
             }
         )
+
+    def kv_reader(self, storage: KVStorage, block_size: int, shares: list[range], num_kv_heads: int) -> GroupReader:
+        """Export: a group's K/V at some slots with every rank's heads, gathered here."""
+        local = read_group(storage, block_size)
+
+        def read(group_id: int, slots: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+            self.send({"op": "read_kv", "group": group_id, "slots": slots})
+            gather = lambda t: self.tp.gather_heads(t, shares, num_kv_heads)  # noqa: E731  (scales: [.., heads, 1])
+            return [(kind, gather(t), None if s is None else gather(s)) for kind, t, s in local(group_id, slots)]
+
+        return read
+
+    def write_kv(self, written: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Import: the other ranks write their heads of what the driver wrote (apply_import)."""
+        self.send({"op": "write_kv", "groups": [list(w) for w in written]})
 
     def stop(self) -> None:
         if self._stopping.is_set():

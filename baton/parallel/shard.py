@@ -54,6 +54,11 @@ def head_split(num_heads: int, num_kv_heads: int, size: int, rank: int) -> tuple
     return range(kv_head * group + q.start, kv_head * group + q.stop), range(kv_head, kv_head + 1)
 
 
+def kv_head_shares(cfg: TextModelConfig, size: int) -> list[range]:
+    """Each rank's KV heads of the attention layers (what a KV span's heads split into)."""
+    return [head_split(cfg.num_heads, cfg.num_kv_heads, size, r)[1] for r in range(size)]
+
+
 def _rows(heads: range, head_dim: int, offset: int = 0) -> torch.Tensor:
     return torch.arange(offset + heads.start * head_dim, offset + heads.stop * head_dim)
 

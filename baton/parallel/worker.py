@@ -16,6 +16,7 @@ import torch
 
 from baton.config import EngineConfig
 from baton.engine.model_setup import load_rank_model
+from baton.handoff.transfer import read_group, write_group
 from baton.kv.spec import KVSpec
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
@@ -23,6 +24,7 @@ from baton.models.llama import ForwardContext
 from baton.parallel import messages
 from baton.parallel.comm import destroy_process_group, init_process_group
 from baton.parallel.ranks import spawn_ranks
+from baton.parallel.shard import kv_head_shares
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,10 @@ def run_rank(config: EngineConfig, rank: int) -> None:
     spec = KVSpec.build(local.layer_kinds, local.num_kv_heads, local.head_dim, config.cache.block_size)
     kv_dtype = getattr(torch, config.cache.kv_torch_dtype_name(config.model.torch_dtype_name))
     storage = KVStorage(spec, sizes["num_blocks"], kv_dtype, sizes["kv_layout"])
+    shares = kv_head_shares(rank_model.loaded.config, tp.size)
+    config_heads = rank_model.loaded.config.num_kv_heads
+    storage.kv_heads = shares[tp.rank]
+    read = read_group(storage, spec.block_size)
     states = StateStorage(
         spec, sizes["num_state_slots"], sizes["num_checkpoints"], drafts_per_slot=sizes["drafts_per_slot"]
     )
@@ -55,6 +61,17 @@ def run_rank(config: EngineConfig, rank: int) -> None:
             step = messages.broadcast(None)
             if step["op"] == "stop":
                 break
+            if step["op"] == "read_kv":  # an export: this rank's heads, gathered on the driver
+                for _, t, scale in read(step["group"], step["slots"]):
+                    for x in (t, scale) if scale is not None else (t,):
+                        tp.gather_heads(x, shares, config_heads)
+                continue
+            if step["op"] == "write_kv":  # an import the driver validated and wrote its heads of
+                for group_id, slots, k, v in step["groups"]:
+                    write_group(
+                        spec.groups[group_id].layer_ids, storage, spec.block_size, slots, k, v, storage.kv_heads
+                    )
+                continue
             if step["op"] != "forward":
                 raise ValueError(f"rank {rank}: unknown command {step['op']!r}")
             states.replay(step["journal"])
