@@ -171,7 +171,7 @@ def test_fp8_span_converts_to_other_kv_dtypes(smollm2, smollm2_fp8):
     tok = smollm2_fp8.get_tokenizer()
     ids = tok.encode(_words(8, 9))  # ~90 tokens: several blocks
     blob = prefill_span(smollm2_fp8, ids)
-    header, _ = wire.read_header(blob, smollm2_fp8.engine.kv_secret)
+    header, _ = wire.read_header(blob, smollm2_fp8.engine.handoff.secret)
     kinds = sorted({(t["kind"], t["dtype"]) for t in header["tensors"]})
     assert kinds == [("k", "float8_e4m3fn"), ("k_scale", "float32"), ("v", "float8_e4m3fn"), ("v_scale", "float32")]
     # an fp8 receiver of the same block size holds the exporter's codes: the exporter's own tokens
@@ -182,7 +182,7 @@ def test_fp8_span_converts_to_other_kv_dtypes(smollm2, smollm2_fp8):
     # a float32 receiver holds exactly code * scale
     engine = smollm2.engine
     rid = engine.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=2), kv_span=blob)
-    header, body = wire.read_header(blob, smollm2_fp8.engine.kv_secret)
+    header, body = wire.read_header(blob, smollm2_fp8.engine.handoff.secret)
 
     def sent(kind: str, dtype: torch.dtype) -> torch.Tensor:  # layer 7 of the span's NHD tensor
         e = next(t for t in header["tensors"] if t["kind"] == kind)
@@ -202,7 +202,7 @@ def test_float32_span_is_quantized_by_an_fp8_receiver(smollm2, smollm2_fp8):
     blob = prefill_span(smollm2, ids)
     engine = smollm2_fp8.engine
     rid = engine.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=2), kv_span=blob)
-    header, body = wire.read_header(blob, smollm2.engine.kv_secret)
+    header, body = wire.read_header(blob, smollm2.engine.handoff.secret)
     e = header["tensors"][0]  # K of all layers, NHD: [layers, positions, heads, dim]
     sent = wire.tensor_from_bytes(body[e["offset"] : e["offset"] + e["nbytes"]], torch.float32, e["shape"])[3]
     cache = engine.storage.layer_kv(3)
@@ -240,7 +240,7 @@ def _edit_first(kind: str, change):
 )
 def test_hostile_fp8_spans_are_refused_before_a_byte_is_written(smollm2_fp8, edit_header, edit_body, field):
     ids = smollm2_fp8.get_tokenizer().encode("An fp8 span, edited by someone holding the secret.")
-    secret = smollm2_fp8.engine.kv_secret
+    secret = smollm2_fp8.engine.handoff.secret
     blob = repack(prefill_span(smollm2_fp8, ids), secret, edit_header, edit_body)
     before = receiver_state(smollm2_fp8)
     with pytest.raises(InvalidKVImport) as err:

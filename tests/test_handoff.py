@@ -105,7 +105,7 @@ def test_bfloat16_kv_cache_converts_on_import(smollm2_decode):
     prefill = LLM("smollm2-135m", progress=False, kv_cache_dtype="bfloat16")
     ids = prefill.get_tokenizer().encode("A bfloat16 cache hands over to a float32 one.")
     blob = prefill_span(prefill, ids)
-    secret = smollm2_decode.engine.kv_secret
+    secret = smollm2_decode.engine.handoff.secret
     header, _ = wire.read_header(blob, secret)
     assert header["dtype"] == "bfloat16" and all(t["dtype"] == "bfloat16" for t in header["tensors"])
     engine = smollm2_decode.engine
@@ -167,7 +167,7 @@ def _corrupt_cases():
 def test_each_corruption_is_refused_before_any_write(field, smollm2, smollm2_decode):
     ids = smollm2.get_tokenizer().encode("One corrupted handoff, and nothing may change.")
     edit_header, edit_body = _corrupt_cases()[field]
-    blob = repack(prefill_span(smollm2, ids), smollm2_decode.engine.kv_secret, edit_header, edit_body)
+    blob = repack(prefill_span(smollm2, ids), smollm2_decode.engine.handoff.secret, edit_header, edit_body)
     before = receiver_state(smollm2_decode)
     with pytest.raises(InvalidKVImport) as err:
         smollm2_decode.engine.add_request({"prompt_token_ids": ids}, GREEDY, kv_span=blob)
@@ -180,7 +180,7 @@ def test_unsigned_spans_are_refused_before_parsing(smollm2, smollm2_decode):
     """Correct xxh64 checksums, a consistent header, but no secret: refused at the signature."""
     ids = smollm2.get_tokenizer().encode("Only workers holding the secret hand KV over.")
     blob = prefill_span(smollm2, ids)
-    secret = smollm2_decode.engine.kv_secret
+    secret = smollm2_decode.engine.handoff.secret
     before = receiver_state(smollm2_decode)
     forged = [
         repack(blob, secret, sign_with=b"a guessed secret"),
@@ -199,7 +199,7 @@ def test_unsigned_spans_are_refused_before_parsing(smollm2, smollm2_decode):
 def test_truncated_frame_and_sliding_coverage(gemma3, gemma3_decode):
     ids = gemma3.get_tokenizer().encode(_words(12, 80))[:600]
     blob = prefill_span(gemma3, ids)
-    secret = gemma3_decode.engine.kv_secret
+    secret = gemma3_decode.engine.handoff.secret
     before = receiver_state(gemma3_decode)
     for cut, field in ((len(blob) // 3, "hmac"), (len(blob) - 1, "hmac"), (40, "length"), (4, "magic")):
         with pytest.raises(InvalidKVImport) as err:
@@ -252,7 +252,7 @@ def test_not_enough_free_blocks(smollm2):
 def test_wire_round_trip_is_exact(smollm2):
     ids = smollm2.get_tokenizer().encode("Round trip.")
     blob = prefill_span(smollm2, ids, "dense")
-    secret = smollm2.engine.kv_secret
+    secret = smollm2.engine.handoff.secret
     header, body = wire.read_header(blob, secret)
     tensors = [
         wire.tensor_from_bytes(body[e["offset"] : e["offset"] + e["nbytes"]], torch.float32, e["shape"])
@@ -297,7 +297,7 @@ def dense_tensors(blob: bytes, secret: bytes) -> tuple[dict, dict[str, torch.Ten
 def test_dense_export_sends_only_what_the_worker_holds(gemma3, gemma3_decode, monkeypatch):
     """After a chunked prefill or a prefix-cache hit, a sliding layer's table holds NULL blocks for
     positions out of its window; a dense export sends zeros there and says from where each layer is real."""
-    secret = gemma3.engine.kv_secret
+    secret = gemma3.engine.handoff.secret
     ids = gemma3.get_tokenizer().encode(_words(21, 80))[:700]
     cold = prefill_output(gemma3_decode, ids, "dense")  # first time either worker sees this prompt: one step
     with monkeypatch.context() as m:  # 128 tokens a step: by the last chunk the first 128 positions are gone
@@ -327,7 +327,7 @@ def test_dense_export_sends_only_what_the_worker_holds(gemma3, gemma3_decode, mo
 def test_dense_layer_starts_are_checked(gemma3, gemma3_decode):
     ids = gemma3.get_tokenizer().encode(_words(22, 80))[:600]
     blob = prefill_span(gemma3, ids, "dense")
-    secret = gemma3.engine.kv_secret
+    secret = gemma3.engine.handoff.secret
     header, _ = wire.read_header(blob, secret)
     sliding = [i for i, (kind, _) in enumerate(header["fingerprint"]["layer_kinds"]) if kind == "sliding"]
     full = next(i for i in range(18) if i not in sliding)
@@ -376,7 +376,7 @@ def test_fine_tunes_of_one_architecture_refuse_each_others_kv(tmp_path):
     shutil.copytree(base, tmp_path / "copy")  # the same bytes elsewhere: the same fingerprint
     small = dict(progress=False, num_kv_blocks=16, kv_secret="one deployment")
     workers = {name: LLM(str(tmp_path / name), **small) for name in ("base", "tuned", "copy")}
-    prints = {name: llm.engine.fingerprint for name, llm in workers.items()}
+    prints = {name: llm.engine.handoff.fingerprint for name, llm in workers.items()}
     assert prints["base"] == prints["copy"]
     assert prints["tuned"]["weights_layout_sha256"] == prints["base"]["weights_layout_sha256"]
     assert prints["tuned"]["weights_content_sha256"] != prints["base"]["weights_content_sha256"]

@@ -102,7 +102,7 @@ def test_handoff_between_unlike_workers_gives_the_lone_workers_tokens(family, re
             lone = decode.generate([{"prompt_token_ids": ids}], GREEDY)[0]
             for fmt in ("grouped", "dense"):
                 span = prefill_output(prefill, ids, fmt).kv_span
-                header, _ = wire.read_header(span, decode.engine.kv_secret)
+                header, _ = wire.read_header(span, decode.engine.handoff.secret)
                 states = [t for t in header["tensors"] if t["kind"] == "state"]
                 assert states and all(t["start"] == n for t in states)
                 seen.clear()
@@ -126,7 +126,7 @@ def test_spans_missing_state_or_with_state_elsewhere_are_refused_before_any_writ
     decode = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=32)
     ids = _ids(40, 60)
     blob = prefill_output(prefill, ids).kv_span
-    secret = decode.engine.kv_secret
+    secret = decode.engine.handoff.secret
 
     def drop_state(h):
         h["tensors"] = [t for t in h["tensors"] if t["kind"] != "state"]

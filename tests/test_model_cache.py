@@ -44,7 +44,7 @@ def test_gguf_cache_keeps_the_gguf_content_hash(smollm2):
     cached = loader.GGUFCache(path, EnvSettings.read().cache_dir, keep_blocks=True)  # as the fixture loads it
     assert cached.gguf is None  # warm: nothing parsed
     assert cached.weights_content_sha256 == loader.gguf_content_sha256(GGUFFile(path))
-    assert smollm2.engine.fingerprint["weights_content_sha256"] == cached.weights_content_sha256
+    assert smollm2.engine.handoff.fingerprint["weights_content_sha256"] == cached.weights_content_sha256
 
 
 def test_concurrent_writers_leave_one_whole_file(tmp_path):

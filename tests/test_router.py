@@ -48,6 +48,7 @@ def test_chunk_hashes_are_chained_and_skip_a_partial_tail():
     assert len(set(hashes)) == 5  # the same chunk text at another depth is another prefix
     assert chunk_hashes("abcdabcdzzzz", 4)[:2] == hashes[:2]
     assert chunk_hashes("zzzzabcd", 4)[1] != hashes[1]
+    assert chunk_hashes("abcd" * 5, 4, limit=3) == hashes[:3]
 
 
 def test_index_matches_leading_chunks_and_forgets_least_recent_tails_first():
@@ -82,9 +83,9 @@ def test_cache_aware_sends_each_tenant_where_its_prompt_is():
     w0, w1 = list(router.workers)
     tenants = {name: f"You answer for {name}. " + f"{name} sells umbrellas. " * 40 for name in ("Acme", "Globex")}
 
-    def route(tenant: str, *turns: str) -> Worker:
-        body = _chat(tenants[tenant], *turns)
-        return router.choose(chunk_hashes(request_text("chat", body), settings.chunk_chars), set())
+    def route(tenant: str, *turns: str, exclude: tuple[str, ...] = ()) -> Worker:
+        text = request_text("chat", _chat(tenants[tenant], *turns))
+        return router.choose(text, chunk_hashes(text, settings.chunk_chars), set(exclude))
 
     # nobody holds either prompt: Acme takes the first worker, Globex the one that holds nothing yet
     assert route("Acme", "Hi") is w0 and route("Globex", "Hi") is w1
@@ -93,7 +94,7 @@ def test_cache_aware_sends_each_tenant_where_its_prompt_is():
     # the expected hit is the shared prefix, in chunks of 16 characters at 4 characters a token
     shared = len(request_text("chat", _chat(tenants["Acme"], "Hi"))) // 16 * 16 / 4
     assert w0.prefix_tokens_expected == pytest.approx(shared)
-    assert router.choose(chunk_hashes(request_text("chat", _chat(tenants["Acme"], "Hi")), 16), {w0.url}) is w1
+    assert route("Acme", "Hi", exclude=(w0.url,)) is w1  # a retry goes elsewhere
 
 
 def test_load_weighs_against_prefix_as_the_setting_says():

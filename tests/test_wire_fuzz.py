@@ -66,7 +66,7 @@ def workers(tmp_path_factory):
 
 
 def import_plan(decode: LLM, blob: bytes) -> ImportPlan:
-    return decode.engine.plan_import(blob, IDS)
+    return decode.engine.handoff.plan(blob, IDS)
 
 
 @pytest.fixture(scope="module", params=["grouped", "dense"])
@@ -77,7 +77,7 @@ def material(workers, request) -> Material:
     blob = None
     while blob is None:
         blob = next((o.kv_span for o in engine.step() if o.request_id == rid and o.finished), None)
-    header, body = wire.read_header(blob, engine.kv_secret)
+    header, body = wire.read_header(blob, engine.handoff.secret)
     if request.param == "dense":
         assert [e["layer_starts"] for e in header["tensors"]] == [[0, 12, 12]] * 2
     return Material(request.param, blob, header, bytes(body), import_plan(decode, blob))
@@ -316,7 +316,7 @@ def test_bools_are_not_token_ids(workers):
     blob = None
     while blob is None:
         blob = next((o.kv_span for o in engine.step() if o.request_id == rid and o.finished), None)
-    header, body = wire.read_header(blob, engine.kv_secret)
+    header, body = wire.read_header(blob, engine.handoff.secret)
     for field, edit in (
         ("prompt_token_ids", lambda h: h.update(prompt_token_ids=[bool(t) for t in ids])),
         ("first_token", lambda h: h.update(first_token=True)),
@@ -326,5 +326,5 @@ def test_bools_are_not_token_ids(workers):
         h = json.loads(json.dumps(header))
         edit(h)
         with pytest.raises(InvalidKVImport) as err:
-            decode.engine.plan_import(wire.frame(h, bytes(body), decode.engine.kv_secret), ids)
+            decode.engine.handoff.plan(wire.frame(h, bytes(body), decode.engine.handoff.secret), ids)
         assert err.value.field == field

@@ -5,37 +5,30 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 
 import torch
 
 from baton.config import EngineConfig
 from baton.engine.grammar import StructuredOutputs
+from baton.engine.kv_handoff import KVHandoff
 from baton.engine.model_setup import load_rank_model
 from baton.engine.output_processor import OutputProcessor, record_prompt_logprobs, request_output
 from baton.engine.request import Request
 from baton.engine.runner import ModelOutput, ModelRunner
 from baton.engine.sampler import sample
 from baton.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from baton.handoff import wire
 from baton.handoff.errors import InvalidKVImport
-from baton.handoff.span import model_fingerprint
-from baton.handoff.transfer import apply_import, export_span
-from baton.handoff.validate import ImportPlan, plan_import
 from baton.kv.memory import build_cache_memory
-from baton.kv.spec import KVSpec
 from baton.outputs import RequestOutput
 from baton.parallel.comm import TPGroup
 from baton.parallel.ranks import Ranks
-from baton.parallel.shard import kv_head_shares
 from baton.sampling_params import SamplingParams
 from baton.spec.decoder import SpecDecoder
 from baton.spec.verify import accept_drafts
 from baton.tokenizer import generation_eos_ids, load_tokenizer
 
 Prompt = str | list[int] | dict
-_PROCESS_KV_SECRET = os.urandom(32)
 
 
 logger = logging.getLogger(__name__)
@@ -67,16 +60,11 @@ class LLMEngine:
         memory = build_cache_memory(
             rank_model.local_config, cache, sched, kv_dtype, spec.num_speculative_tokens if spec else 0
         )
-        self.heads_spec, self.kv_reader = None, None  # tensor parallel: spans carry every rank's heads
         if self.ranks is not None:
             self.ranks.build_caches(memory, kv_dtype)
-            self._split_handoff(memory, kv_dtype)
         self.kv_spec, self.kv, self.storage, self.states = memory.spec, memory.kv, memory.storage, memory.states
         self.max_model_len = memory.max_model_len
-        self.fingerprint = model_fingerprint(mc, loaded.source.header(), loaded.weights_content_sha256)
-        # spans are signed and checked with this key: without a configured secret, a random one
-        # per process, so only this process can import what it exported
-        self.kv_secret = config.kv_secret_bytes() or _PROCESS_KV_SECRET
+        self.handoff = KVHandoff(config, loaded, memory, self.ranks)
         self.scheduler = Scheduler(sched, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self.storage, self.states, self.ranks)
         self.eos_token_ids = set(mc.eos_token_ids) | generation_eos_ids(loaded.path)
@@ -90,19 +78,6 @@ class LLMEngine:
         self._touched: set[str] = set()  # requests changed outside a step (an import), reported next step
         self._exports: list[tuple[Request, int]] = []  # prefill-only requests of this step, and their first token
         self._ids = itertools.count()
-
-    def _split_handoff(self, memory, kv_dtype: torch.dtype) -> None:
-        """Spans hold every KV head: validated against the whole model's heads, exported from
-        every rank's, imported as each rank's share."""
-        mc, tp = self.model_config, self.ranks.tp
-        if memory.spec.has_state and self.config.kv_transfer.kv_role != "none":
-            raise ValueError(
-                "a KV handoff of recurrent state across tensor-parallel ranks is not built: use --kv-role none"
-            )
-        shares = kv_head_shares(mc, tp.size)
-        memory.storage.kv_heads = shares[tp.rank]
-        self.heads_spec = KVSpec.build(mc.layer_kinds, mc.num_kv_heads, mc.head_dim, self.config.cache.block_size)
-        self.kv_reader = self.ranks.kv_reader(memory.storage, self.config.cache.block_size, shares, mc.num_kv_heads)
 
     def _spec_decoder(self, config: EngineConfig, progress: bool) -> SpecDecoder:
         spec = config.speculative
@@ -189,13 +164,11 @@ class LLMEngine:
         blob: bytes,
         bad_words: list[list[int]],
     ) -> str:
-        plan = self.plan_import(blob, token_ids)
+        plan = self.handoff.plan(blob, token_ids)
         req = Request(f"{request_id}#0", token_ids, params, self.eos_token_ids, self.max_model_len, prompt=text)
         req.bad_words_token_ids = bad_words
         self._attach_grammar(req)
-        written = apply_import(self.kv, self.storage, self.states, req.request_id, plan)
-        if self.ranks is not None:
-            self.ranks.write_kv(written)
+        self.handoff.apply(req.request_id, plan)
         req.num_computed_tokens = len(token_ids)
         if self.spec is not None and hasattr(self.spec.draft, "imported"):
             # the MTP drafter needs the target's hidden state at the last prompt position: its first
@@ -254,19 +227,6 @@ class LLMEngine:
                     out.append(ids)
         return out
 
-    def plan_import(self, blob: bytes, expected_tokens: list[int] | None) -> ImportPlan:
-        """Every check of a KV span against this worker (InvalidKVImport); writes nothing."""
-        return plan_import(
-            blob,
-            secret=self.kv_secret,
-            fingerprint=self.fingerprint,
-            kv=self.kv,
-            kv_dtype=self.storage.dtype,
-            vocab_size=self.model_config.vocab_size,
-            expected_tokens=expected_tokens,
-            heads_spec=self.heads_spec,
-        )
-
     def abort_request(self, request_id: str) -> None:
         for req in self.requests.pop(request_id, []):
             if not req.is_finished:
@@ -321,18 +281,7 @@ class LLMEngine:
             if self.spec is not None:
                 self.spec.after_step(batch, out.hidden)  # inside: requests that just finished still have blocks
             for req, first_token in self._exports:  # after the drafter's update: its layer's KV goes too
-                span = export_span(
-                    self.kv,
-                    self.storage,
-                    self.fingerprint,
-                    req.request_id,
-                    req.prompt_token_ids,
-                    first_token,
-                    req.export_kv,
-                    self.states,
-                    self.kv_reader,
-                )
-                req.kv_span = wire.encode(span, self.kv_secret)
+                req.kv_span = self.handoff.export(req.request_id, req.prompt_token_ids, first_token, req.export_kv)
             self._exports.clear()
         for s in batch.scheduled:
             if not s.request.is_finished and s.request.export_kv is None:  # exports keep every position

@@ -43,7 +43,7 @@ class CacheAware:
 
         def rank(i: int) -> tuple[float, int]:
             w = workers[i]
-            prefix = prefix_tokens[i] if prefix_tokens[i] > 0 and prefix_tokens[i] >= least else 0.0
+            prefix = prefix_tokens[i] if prefix_tokens[i] >= least else 0.0
             return prefix / self.prefix_tokens_per_request - w.in_flight, -len(w.index)
 
         return max(range(len(workers)), key=rank)

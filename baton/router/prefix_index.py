@@ -35,10 +35,12 @@ def request_text(endpoint: str, body: dict) -> str:
     return json.dumps(prompt, separators=(",", ":")) if prompt is not None else ""
 
 
-def chunk_hashes(text: str, chunk_chars: int) -> list[int]:
-    """Chained hashes of the text's full chunks (a partial tail is never matched, like a partial block)."""
+def chunk_hashes(text: str, chunk_chars: int, limit: int | None = None) -> list[int]:
+    """Chained hashes of the text's full chunks (a partial tail is never matched, like a partial
+    block), at most `limit` of them: no index holds more than its capacity."""
     hashes, h = [], 0
-    for start in range(0, len(text) - chunk_chars + 1, chunk_chars):
+    end = len(text) - chunk_chars + 1 if limit is None else min(len(text) - chunk_chars + 1, limit * chunk_chars)
+    for start in range(0, end, chunk_chars):
         h = xxhash.xxh3_64_intdigest(text[start : start + chunk_chars].encode("utf-8", "surrogatepass"), seed=h)
         hashes.append(h)
     return hashes

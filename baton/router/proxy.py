@@ -96,13 +96,14 @@ class Router:
         if self.session is not None:
             await self.session.close()
 
-    def choose(self, hashes: list[int], exclude: set[str]) -> Worker | None:
-        """The policy's pick among healthy workers not yet tried; it now holds the request's prefix."""
+    def choose(self, text: str, hashes: list[int], exclude: set[str]) -> Worker | None:
+        """The policy's pick for a request (its text and chunk hashes) among healthy workers not yet
+        tried; the pick now holds the request's prefix."""
         candidates = [w for w in self.workers.up() if w.url not in exclude]
         if not candidates:
             return None
         prefix_tokens = [self.settings.chunks_to_tokens(w.index.match(hashes)) for w in candidates]
-        i = self.policy.choose(candidates, prefix_tokens, self.settings.chunks_to_tokens(len(hashes)))
+        i = self.policy.choose(candidates, prefix_tokens, len(text) / self.settings.chars_per_token)
         worker = candidates[i]
         worker.index.insert(hashes)
         worker.requests += 1
@@ -118,14 +119,18 @@ class Router:
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object")
         body.pop("kv_transfer_id", None)  # a client never names a parked span: only this router does
-        hashes = chunk_hashes(request_text(endpoint, body), self.settings.chunk_chars)
+        try:
+            text = request_text(endpoint, body)
+        except RecursionError:
+            return error_response(400, "the body is nested too deeply")
+        hashes = chunk_hashes(text, self.settings.chunk_chars, limit=self.settings.index_capacity_chunks)
         stream = bool(body.get("stream"))
         drop_usage = stream and _ask_for_usage(body)
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         tried: set[str] = set()
         busy: _Answer | None = None
-        while (worker := self.choose(hashes, tried)) is not None:
+        while (worker := self.choose(text, hashes, tried)) is not None:
             tried.add(worker.url)
             lease = Lease(worker)
             try:

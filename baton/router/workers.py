@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -26,6 +27,8 @@ def normalize_url(url: object) -> str:
         raise APIError(400, "'url' must be a non-empty string", param="url")
     if len(url) > MAX_URL_CHARS:
         raise APIError(400, f"'url' is longer than {MAX_URL_CHARS} characters", param="url")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise APIError(400, "'url' must not contain spaces or control characters", param="url")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises on a port out of range
@@ -35,8 +38,6 @@ def normalize_url(url: object) -> str:
         raise APIError(400, "'url' must be http:// or https:// with a host, e.g. http://127.0.0.1:8001", param="url")
     if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
         raise APIError(400, "'url' must not carry credentials, a query or a fragment", param="url")
-    if any(c.isspace() or not c.isprintable() for c in url):
-        raise APIError(400, "'url' must not contain spaces or control characters", param="url")
     return url.rstrip("/")
 
 
@@ -82,11 +83,14 @@ class Worker:
 
 
 class WorkerSet:
-    def __init__(self, settings: RouterSettings, urls: list[str] = ()) -> None:
+    def __init__(self, settings: RouterSettings, urls: Sequence[str] = ()) -> None:
         self.settings = settings
         self._workers: dict[str, Worker] = {}
         for url in urls:
-            url = normalize_url(url)
+            try:
+                url = normalize_url(url)
+            except APIError as e:
+                raise ValueError(f"worker {url!r}: {e.message}") from None
             if url in self._workers:
                 raise ValueError(f"worker {url} given twice")
             self._workers[url] = Worker(url, settings.index_capacity_chunks)

@@ -1,0 +1,76 @@
+"""The engine's side of the KV handoff: sign and check spans, validate an import against this
+worker, write it, export a finished prefill. With tensor parallelism a span carries every KV head:
+validated against the whole model's heads, read from every rank on export, and written as each
+rank's share on import."""
+
+from __future__ import annotations
+
+import os
+
+from baton.config import EngineConfig
+from baton.handoff import wire
+from baton.handoff.span import model_fingerprint
+from baton.handoff.transfer import apply_import, export_span
+from baton.handoff.validate import ImportPlan, plan_import
+from baton.kv.memory import CacheMemory
+from baton.kv.spec import KVSpec
+from baton.models.loader import LoadedModel
+from baton.parallel.ranks import Ranks
+from baton.parallel.shard import kv_head_shares
+
+_PROCESS_KV_SECRET = os.urandom(32)
+
+
+class KVHandoff:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, memory: CacheMemory, ranks: Ranks | None) -> None:
+        mc = loaded.config
+        self.kv, self.storage, self.states = memory.kv, memory.storage, memory.states
+        self.ranks = ranks
+        self.fingerprint = model_fingerprint(mc, loaded.source.header(), loaded.weights_content_sha256)
+        # spans are signed and checked with this key: without a configured secret, a random one
+        # per process, so only this process can import what it exported
+        self.secret = config.kv_secret_bytes() or _PROCESS_KV_SECRET
+        self.vocab_size = mc.vocab_size
+        self.heads_spec: KVSpec | None = None
+        self.read = None
+        if ranks is not None:
+            if memory.spec.has_state and config.kv_transfer.kv_role != "none":
+                raise ValueError(
+                    "a KV handoff of recurrent state across tensor-parallel ranks is not built: use --kv-role none"
+                )
+            shares = kv_head_shares(mc, ranks.tp.size)
+            self.storage.kv_heads = shares[ranks.tp.rank]
+            self.heads_spec = KVSpec.build(mc.layer_kinds, mc.num_kv_heads, mc.head_dim, config.cache.block_size)
+            self.read = ranks.kv_reader(self.storage, config.cache.block_size, shares, mc.num_kv_heads)
+
+    def plan(self, blob: bytes, expected_tokens: list[int] | None) -> ImportPlan:
+        """Every check of a KV span against this worker (InvalidKVImport); writes nothing."""
+        return plan_import(
+            blob,
+            secret=self.secret,
+            fingerprint=self.fingerprint,
+            kv=self.kv,
+            kv_dtype=self.storage.dtype,
+            vocab_size=self.vocab_size,
+            expected_tokens=expected_tokens,
+            heads_spec=self.heads_spec,
+        )
+
+    def apply(self, request_id: str, plan: ImportPlan) -> None:
+        written = apply_import(self.kv, self.storage, self.states, request_id, plan)
+        if self.ranks is not None:
+            self.ranks.write_kv(written)
+
+    def export(self, request_id: str, prompt_token_ids: list[int], first_token: int, fmt: str) -> bytes:
+        span = export_span(
+            self.kv,
+            self.storage,
+            self.fingerprint,
+            request_id,
+            prompt_token_ids,
+            first_token,
+            fmt,
+            self.states,
+            self.read,
+        )
+        return wire.encode(span, self.secret)
