@@ -307,6 +307,8 @@ class EngineConfig:
             raise ValueError("speculative decoding needs a float KV cache (kv_cache_dtype float32/bfloat16/float16)")
         if self.parallel.world_size > 1 and self.speculative is not None and self.speculative.method == "mtp":
             raise ValueError("MTP drafting runs on one rank: use tensor_parallel_size 1, or the ngram method")
+        if self.parallel.pipeline_parallel_size > 1 and self.kv_transfer.kv_role != "none":
+            raise ValueError("a KV handoff from pipeline stages is not built: use kv_role none with pipeline parallel")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

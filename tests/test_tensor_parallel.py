@@ -1,6 +1,7 @@
-"""Tensor parallel over two gloo ranks on this host gives TP=1's greedy tokens, and logits within
-1e-4 of it (the row-parallel sums in another order are the only difference), for the shipped
-models and random attention and MoE configs."""
+"""Tensor and pipeline parallel over gloo ranks on this host give one rank's greedy tokens, and
+logits within 1e-4 of it (sums in another order are the only difference: the row-parallel
+all-reduce, a prefill chunk cut into micro-batches), for the shipped models and random attention,
+MoE and hybrid configs."""
 
 from __future__ import annotations
 
@@ -35,8 +36,11 @@ def test_head_split_takes_whole_kv_groups_or_replicates_kv_heads():
         head_split(6, 2, 4, 0)
 
 
-def _run(model: str, tp: int, prompts: list, **settings) -> tuple[list[list[int]], list[torch.Tensor]]:
-    llm = LLM(model, progress=False, tensor_parallel_size=tp, master_port=free_port(), **settings)
+def _run(model: str, layout: tuple[int, int], prompts: list, **settings):
+    tp, pp = layout
+    llm = LLM(
+        model, progress=False, tensor_parallel_size=tp, pipeline_parallel_size=pp, master_port=free_port(), **settings
+    )
     try:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         logits = [llm.prompt_logits(p) for p in prompts[:2]]
@@ -45,17 +49,18 @@ def _run(model: str, tp: int, prompts: list, **settings) -> tuple[list[list[int]
         llm.shutdown()
 
 
-def _same(model: str, prompts: list, **settings) -> None:
-    tokens1, logits1 = _run(model, 1, prompts, **settings)
-    tokens2, logits2 = _run(model, 2, prompts, **settings)
-    assert tokens2 == tokens1
-    for a, b in zip(logits1, logits2):
-        assert a.shape == b.shape
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+def _same(model: str, prompts: list, layouts=((2, 1), (1, 2)), **settings) -> None:
+    tokens1, logits1 = _run(model, (1, 1), prompts, **settings)
+    for layout in layouts:
+        tokens, logits = _run(model, layout, prompts, **settings)
+        assert tokens == tokens1, layout
+        for a, b in zip(logits1, logits):
+            assert a.shape == b.shape
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
-def test_shipped_models_tp2_match_tp1(model):
+def test_shipped_models_tp2_and_pp2_match_one_rank(model):
     _same(model, PROMPTS, max_model_len=1024)
 
 
@@ -95,11 +100,12 @@ def test_random_qwen3_next_hybrid_with_prefix_hits(tmp_path):
     base = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(3)).tolist()
     ids = [{"prompt_token_ids": p} for p in (base[:9], base, base[:40] + [1, 2, 3])]
     results = []
-    for tp in (1, 2):
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
         llm = LLM(
             str(path),
             progress=False,
             tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
             master_port=free_port(),
             block_size=8,
             max_num_batched_tokens=32,
@@ -111,8 +117,19 @@ def test_random_qwen3_next_hybrid_with_prefix_hits(tmp_path):
             results.append(([list(o.outputs[0].token_ids) for o in first + again], llm.prompt_logits(ids[1])))
         finally:
             llm.shutdown()
-    assert results[1][0] == results[0][0]
-    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=1e-4)
+    for tokens, logits in results[1:]:
+        assert tokens == results[0][0]
+        torch.testing.assert_close(logits, results[0][1], rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_tp2_times_pp2_on_four_ranks(tmp_path):
+    _, path = make_model(tmp_path, "LlamaForCausalLM", tie_word_embeddings=False)
+    ids = [
+        {"prompt_token_ids": torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+        for n in (5, 40, 90)
+    ]
+    _same(str(path), ids, layouts=((2, 2),), block_size=4, max_num_batched_tokens=32)
 
 
 @pytest.mark.parametrize("fmt", ["grouped", pytest.param("dense", marks=pytest.mark.slow)])

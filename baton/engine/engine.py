@@ -49,7 +49,9 @@ class LLMEngine:
             torch.set_num_threads(config.env.num_threads)
         torch.manual_seed(config.seed)
         self.ranks = Ranks.start(config) if config.parallel.world_size > 1 else None
-        rank_model = load_rank_model(config, self.ranks.tp if self.ranks else TPGroup(), progress)
+        rank_model = load_rank_model(config, self.ranks.tp if self.ranks else TPGroup(), 0, progress)
+        if self.ranks is not None:
+            self.ranks.stage = rank_model.stage
         loaded = rank_model.loaded
         self.model, self.model_config = rank_model.model, loaded.config
         self.tokenizer = load_tokenizer(loaded.path, config.env.cache_dir, config.model.tokenizer)
@@ -57,8 +59,14 @@ class LLMEngine:
         mc = self.model_config
         kv_dtype = getattr(torch, cache.kv_torch_dtype_name(config.model.torch_dtype_name))
         spec = config.speculative
+        stage = rank_model.stage
         memory = build_cache_memory(
-            rank_model.local_config, cache, sched, kv_dtype, spec.num_speculative_tokens if spec else 0
+            rank_model.local_config,
+            cache,
+            sched,
+            kv_dtype,
+            spec.num_speculative_tokens if spec else 0,
+            layers=stage.layers if stage else None,
         )
         if self.ranks is not None:
             self.ranks.build_caches(memory, kv_dtype)

@@ -14,6 +14,7 @@ from baton.models.layers import can_pack_linears, describe_linears
 from baton.models.loader import LoadedModel, load_model
 from baton.models.model_config import TextModelConfig
 from baton.parallel.comm import TPGroup
+from baton.parallel.pipeline import Stage, cut_stage, stage_layers
 
 logger = logging.getLogger(__name__)
 
@@ -23,13 +24,20 @@ class RankModel:
     model: nn.Module
     loaded: LoadedModel
     local_config: TextModelConfig  # this rank's heads and widths (the whole model's on one rank)
+    stage: Stage | None  # pipeline parallel: this rank's stage
 
 
-def load_rank_model(config: EngineConfig, tp: TPGroup, progress: bool = True) -> RankModel:
+def load_rank_model(config: EngineConfig, tp: TPGroup, rank: int = 0, progress: bool = True) -> RankModel:
     dtype = getattr(torch, config.model.torch_dtype_name)
     keep_blocks = config.model.keep_gguf_blocks
     loaded = load_model(config.model.model, dtype, config.env.cache_dir, progress=progress, keep_blocks=keep_blocks)
     model, local = loaded.model, loaded.config
+    stage = None
+    pp = config.parallel.pipeline_parallel_size
+    if pp > 1:
+        index = rank // tp.size
+        stage = Stage(index, pp, tp, stage_layers(local.num_layers, pp, index))
+        cut_stage(model, stage)
     if tp.size > 1:
         from baton.parallel.shard import shard_model
 
@@ -38,4 +46,4 @@ def load_rank_model(config: EngineConfig, tp: TPGroup, progress: bool = True) ->
         model.pack_linears(config.model.quantization)
         logger.info("%s: %s", loaded.path.name, describe_linears(model))
     model.fused_decode = config.model.fused_decode and model.fused_decode  # the model may lack it
-    return RankModel(model, loaded, local)
+    return RankModel(model, loaded, local, stage)

@@ -16,6 +16,7 @@ from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq
 from baton.models.llama import ForwardContext
 from baton.models.recurrent import RecurrentSeq, StateMetadata
 from baton.ops import ops
+from baton.parallel.pipeline import micro_batches, run_stage
 from baton.parallel.ranks import Ranks
 
 
@@ -108,7 +109,11 @@ class ModelRunner:
                 else:
                     self.states.restore(slot, cid)
             slot = self.kv.state_slots[rid]
-            snaps = [(p - s.start, cid) for p, cid in self.kv.pending_snapshots.get(rid, [])]
+            snaps = [
+                (p - s.start, cid)
+                for p, cid in self.kv.pending_snapshots.get(rid, [])
+                if 0 < p - s.start <= s.num_new_tokens  # a pipeline's micro-batch holds a piece of the chunk
+            ]
             # the state after each verify row but the last: the accepted one is committed after sampling
             snaps += [(j + 1, self.states.scratch(slot, j)) for j in range(len(s.spec_token_ids))]
             seqs.append(RecurrentSeq(row, row + s.num_new_tokens, slot, sorted(snaps)))
@@ -138,17 +143,18 @@ class ModelRunner:
                 sample_rows[req.request_id] = len(logit_rows)
                 logit_rows.append(row + s.num_new_tokens - 1)
             row += s.num_new_tokens
+        ids, pos = torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions))
+        if self.ranks is not None and self.ranks.stage is not None:  # the final hidden stays on the last stage
+            return ModelOutput(self._pipeline(batch, ids, pos, logit_rows), sample_rows, prompt_rows, torch.empty(0))
         ctx = ForwardContext(
             self.storage,
             [self._group_metadata(g, batch) for g in self.kv.spec.groups],
             self.states,
             self._state_metadata(batch),
         )
-        ids, pos = torch.tensor(input_ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions))
         # else every row, in order (logit_rows is increasing)
         rows = torch.tensor(logit_rows, dtype=torch.long) if len(logit_rows) < len(input_ids) else None
         if self.ranks is not None:
-            journal, self.states.journal = self.states.journal, []
             self.ranks.send(
                 {
                     "op": "forward",
@@ -156,7 +162,7 @@ class ModelRunner:
                     "positions": pos,
                     "groups": ctx.groups,
                     "state_meta": ctx.state_meta,
-                    "journal": journal,
+                    "journal": self._take_journal(),
                     "logit_rows": rows,
                 }
             )
@@ -166,6 +172,40 @@ class ModelRunner:
             hidden = hidden[rows]
         logits = self.model.compute_logits(hidden).float()
         return ModelOutput(logits, sample_rows, prompt_rows, every_row)
+
+    def _take_journal(self) -> list[list]:
+        journal, self.states.journal = self.states.journal, []
+        return journal
+
+    def _pipeline(self, batch: SchedulerOutput, ids: torch.Tensor, pos: torch.Tensor, logit_rows: list[int]):
+        """The step as micro-batches through the pipeline's stages; the logits of `logit_rows`."""
+        stage = self.ranks.stage
+        steps, row = [], 0
+        for mb in micro_batches(batch.scheduled, stage.count):
+            sub = SchedulerOutput(mb)
+            n = sub.num_batched_tokens
+            rows = [r - row for r in logit_rows if row <= r < row + n]
+            steps.append(
+                {
+                    "input_ids": ids[row : row + n],
+                    "positions": pos[row : row + n],
+                    "groups": [self._group_metadata(g, sub) for g in self.kv.spec.groups],
+                    "state_meta": self._state_metadata(sub),
+                    "logit_rows": torch.tensor(rows, dtype=torch.long) if len(rows) < n else None,
+                    "num_logit_rows": len(rows),
+                    "vocab_size": self.model.cfg.vocab_size,
+                }
+            )
+            row += n
+        self.ranks.send({"op": "pipeline", "steps": steps, "journal": self._take_journal()})
+        return torch.cat(run_stage(self.model, stage, steps, self.forward_step))
+
+    def forward_step(self, step: dict) -> torch.Tensor:
+        return self.model(
+            step["input_ids"],
+            step["positions"],
+            ForwardContext(self.storage, step["groups"], self.states, step["state_meta"]),
+        )
 
 
 KV_TILE = 1024  # context positions one prefill attention call reads (at least the chunk's length)

@@ -28,14 +28,21 @@ class CacheMemory:
 
 
 def build_cache_memory(
-    mc: TextModelConfig, cache: CacheConfig, sched: SchedulerConfig, kv_dtype: torch.dtype, drafts_per_slot: int = 0
+    mc: TextModelConfig,
+    cache: CacheConfig,
+    sched: SchedulerConfig,
+    kv_dtype: torch.dtype,
+    drafts_per_slot: int = 0,
+    layers: range | None = None,
 ) -> CacheMemory:
-    """`drafts_per_slot`: speculative decoding's k (recurrent layers keep a state per verified draft)."""
+    """`drafts_per_slot`: speculative decoding's k (recurrent layers keep a state per verified draft).
+    `layers`: a pipeline stage's layers; it holds their share of the pools, its budget's worth."""
     spec = KVSpec.build(mc.layer_kinds, mc.num_kv_heads, mc.head_dim, cache.block_size)
+    share = 1.0 if layers is None else len(layers) / mc.num_layers
     sizes = size_kv_pools(
         spec,
         kv_dtype,
-        cache.kv_cache_memory_bytes,
+        int(cache.kv_cache_memory_bytes / share),
         sched.max_num_seqs,
         sched.max_num_batched_tokens,
         cache.state_checkpoint_fraction,
@@ -54,8 +61,8 @@ def build_cache_memory(
     memory = CacheMemory(
         spec,
         kv,
-        KVStorage(spec, num_blocks, kv_dtype, cache.kv_layout),
-        StateStorage(spec, sizes.num_state_slots, num_checkpoints, drafts_per_slot=drafts_per_slot),
+        KVStorage(spec, num_blocks, kv_dtype, cache.kv_layout, layers=layers),
+        StateStorage(spec, sizes.num_state_slots, num_checkpoints, drafts_per_slot=drafts_per_slot, layers=layers),
         max_len,
     )
     _log(memory, cache)

@@ -21,10 +21,17 @@ class StateStorage:
     [layers, checkpoints, *shape]. Readers get per-layer views from `layer`."""
 
     def __init__(
-        self, spec: KVSpec, num_slots: int, num_checkpoints: int, device: str = "cpu", drafts_per_slot: int = 0
+        self,
+        spec: KVSpec,
+        num_slots: int,
+        num_checkpoints: int,
+        device: str = "cpu",
+        drafts_per_slot: int = 0,
+        layers: range | None = None,
     ) -> None:
         """`drafts_per_slot`: speculative decoding's k; each slot then has k scratch snapshots after
-        the checkpoints, the state after each verified draft, one of which is committed."""
+        the checkpoints, the state after each verified draft, one of which is committed.
+        `layers`: a pipeline stage's layers, the only ones given memory (default: all)."""
         self.spec = spec
         self.num_checkpoints = num_checkpoints
         self.drafts_per_slot = drafts_per_slot
@@ -34,8 +41,11 @@ class StateStorage:
         rows = num_checkpoints + num_slots * drafts_per_slot
         self.running: list[list[torch.Tensor]] = []
         self.checkpoints: list[list[torch.Tensor]] = []
+        self._index: dict[int, tuple[int, int]] = {}  # layer -> (state group, index in its tensors)
         for g in spec.state_groups:
-            n = len(g.layer_ids)
+            held = [i for i in g.layer_ids if layers is None or i in layers]
+            self._index.update({layer_id: (g.group_id, j) for j, layer_id in enumerate(held)})
+            n = len(held)
             self.running.append(
                 [torch.zeros((n, num_slots, *s), dtype=STATE_DTYPE, device=device) for s in g.state_shapes]
             )
@@ -56,9 +66,8 @@ class StateStorage:
 
     def layer(self, layer_id: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A layer's running state tensors [slots, *shape] and its checkpoint tensors [checkpoints, *shape]."""
-        entry = self.spec.layer_to_state[layer_id]
-        assert entry is not None, f"layer {layer_id} has no recurrent state"
-        gid, idx = entry
+        assert layer_id in self._index, f"layer {layer_id} has no recurrent state here"
+        gid, idx = self._index[layer_id]
         return [t[idx] for t in self.running[gid]], [t[idx] for t in self.checkpoints[gid]]
 
     def _record(self, op: str, *args: int) -> None:

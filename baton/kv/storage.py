@@ -64,8 +64,15 @@ class KVStorage:
     always get [slots, heads, dim] views, so only this class knows the physical order."""
 
     def __init__(
-        self, spec: KVSpec, num_blocks: list[int], dtype: torch.dtype, layout: str = "NHD", device: str = "cpu"
+        self,
+        spec: KVSpec,
+        num_blocks: list[int],
+        dtype: torch.dtype,
+        layout: str = "NHD",
+        device: str = "cpu",
+        layers: range | None = None,
     ) -> None:
+        """`layers`: a pipeline stage's layers, the only ones given memory (default: all)."""
         if layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {layout!r}")
         self.spec = spec
@@ -77,11 +84,14 @@ class KVStorage:
         self.v: list[torch.Tensor] = []
         self.k_scale: list[torch.Tensor] = []  # fp8: [layers, blocks, kv heads] float32 per group
         self.v_scale: list[torch.Tensor] = []
+        self._index: dict[int, tuple[int, int]] = {}  # layer -> (group, index in the group's tensors)
         for g, n in zip(spec.groups, num_blocks):
+            held = [i for i in g.layer_ids if layers is None or i in layers]
+            self._index.update({layer_id: (g.group_id, j) for j, layer_id in enumerate(held)})
             if dtype == FP8:
-                self.k_scale.append(torch.zeros((len(g.layer_ids), n, g.num_kv_heads), device=device))
-                self.v_scale.append(torch.zeros((len(g.layer_ids), n, g.num_kv_heads), device=device))
-            dims = {"L": len(g.layer_ids), "T": n * spec.block_size, "H": g.num_kv_heads, "D": g.head_dim}
+                self.k_scale.append(torch.zeros((len(held), n, g.num_kv_heads), device=device))
+                self.v_scale.append(torch.zeros((len(held), n, g.num_kv_heads), device=device))
+            dims = {"L": len(held), "T": n * spec.block_size, "H": g.num_kv_heads, "D": g.head_dim}
             self.k.append(_zeros(tuple(dims[a] for a in self.span_layout), dtype, device))
             dims["D"] = g.v_head_dim  # 0 for MLA: its latent lives in K alone
             self.v.append(_zeros(tuple(dims[a] for a in self.span_layout), dtype, device))
@@ -94,7 +104,7 @@ class KVStorage:
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as [slots, kv heads, head dim] views."""
-        group_id, idx = self.spec.layer_to_group[layer_id]
+        group_id, idx = self._index[layer_id]
         k, v = self.group_view(group_id)
         return k[idx], v[idx]
 
@@ -102,7 +112,7 @@ class KVStorage:
         k, v = self.layer(layer_id)
         if self.dtype != FP8:
             return LayerKV(k, v)
-        group_id, idx = self.spec.layer_to_group[layer_id]
+        group_id, idx = self._index[layer_id]
         return LayerKV(k, v, self.k_scale[group_id][idx], self.v_scale[group_id][idx])
 
     def nbytes(self) -> int:

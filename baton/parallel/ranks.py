@@ -22,6 +22,7 @@ from baton.kv.memory import CacheMemory
 from baton.kv.storage import KVStorage
 from baton.parallel import messages
 from baton.parallel.comm import TPGroup, destroy_process_group, init_process_group
+from baton.parallel.pipeline import Stage
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class Ranks:
         self.config = config
         self.procs = procs
         self.tp = tp
+        self.stage: Stage | None = None  # pipeline parallel: the driver's (first) stage, once the model is cut
         self.lost: str | None = None  # why, once a rank died
         self.on_lost: list[Callable[[str], None]] = []
         self._stopping = threading.Event()
@@ -60,8 +62,6 @@ class Ranks:
         parallel = config.parallel
         if parallel.node_rank != 0:
             raise ValueError("only node 0 runs the engine; start other nodes with `baton serve --node-rank N`")
-        if parallel.pipeline_parallel_size > 1:
-            raise ValueError("pipeline parallelism is not built yet: --pipeline-parallel-size must be 1")
         procs = spawn_ranks(config, range(1, parallel.ranks_per_node))
         try:
             tp = init_process_group(parallel, 0)

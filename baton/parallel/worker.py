@@ -23,6 +23,7 @@ from baton.kv.storage import KVStorage
 from baton.models.llama import ForwardContext
 from baton.parallel import messages
 from baton.parallel.comm import destroy_process_group, init_process_group
+from baton.parallel.pipeline import run_stage
 from baton.parallel.ranks import spawn_ranks
 from baton.parallel.shard import kv_head_shares
 
@@ -42,20 +43,30 @@ def run_rank(config: EngineConfig, rank: int) -> None:
         torch.set_num_threads(config.env.num_threads)
     torch.manual_seed(config.seed)
     tp = init_process_group(config.parallel, rank)
-    rank_model = load_rank_model(config, tp, progress=False)
+    rank_model = load_rank_model(config, tp, rank, progress=False)
     model, local = rank_model.model, rank_model.local_config
     sizes = messages.broadcast(None)
     assert sizes["op"] == "caches"
     spec = KVSpec.build(local.layer_kinds, local.num_kv_heads, local.head_dim, config.cache.block_size)
     kv_dtype = getattr(torch, config.cache.kv_torch_dtype_name(config.model.torch_dtype_name))
-    storage = KVStorage(spec, sizes["num_blocks"], kv_dtype, sizes["kv_layout"])
+    layers = rank_model.stage.layers if rank_model.stage else None  # a pipeline stage keeps only its own
+    storage = KVStorage(spec, sizes["num_blocks"], kv_dtype, sizes["kv_layout"], layers=layers)
     shares = kv_head_shares(rank_model.loaded.config, tp.size)
     config_heads = rank_model.loaded.config.num_kv_heads
     storage.kv_heads = shares[tp.rank]
     read = read_group(storage, spec.block_size)
     states = StateStorage(
-        spec, sizes["num_state_slots"], sizes["num_checkpoints"], drafts_per_slot=sizes["drafts_per_slot"]
+        spec,
+        sizes["num_state_slots"],
+        sizes["num_checkpoints"],
+        drafts_per_slot=sizes["drafts_per_slot"],
+        layers=layers,
     )
+
+    def forward(step: dict) -> torch.Tensor:
+        ctx = ForwardContext(storage, step["groups"], states, step["state_meta"])
+        return model(step["input_ids"], step["positions"], ctx)
+
     with torch.inference_mode():
         while True:
             step = messages.broadcast(None)
@@ -71,6 +82,10 @@ def run_rank(config: EngineConfig, rank: int) -> None:
                     write_group(
                         spec.groups[group_id].layer_ids, storage, spec.block_size, slots, k, v, storage.kv_heads
                     )
+                continue
+            if step["op"] == "pipeline":
+                states.replay(step["journal"])
+                run_stage(model, rank_model.stage, step["steps"], forward)
                 continue
             if step["op"] != "forward":
                 raise ValueError(f"rank {rank}: unknown command {step['op']!r}")

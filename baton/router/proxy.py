@@ -34,7 +34,7 @@ WORKER_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyn
 
 
 class _WorkerFailed(Exception):
-    pass
+    """The worker was marked down while a request waited on it."""
 
 
 @dataclass
