@@ -53,8 +53,12 @@ PROMPT = torch.randint(3, 256, (150,), generator=torch.Generator().manual_seed(1
 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("kimi"))
+
+
+def build(tmp_path):
     """(reference, directory): weights re-randomised at O(1) scale so a wrong term shows."""
-    ref, path = make_model(tmp_path_factory.mktemp("kimi"), "KimiLinearForCausalLM", **TINY)
+    ref, path = make_model(tmp_path, "KimiLinearForCausalLM", **TINY)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in ref.named_parameters():

@@ -53,13 +53,14 @@ class ResidualOut(nn.Module):
         return x if residual is None else residual + x
 
 
-class StageInput:
+class StageInput(nn.Module):
     """A non-first stage's start: the stream received from the stage before, instead of the embedding."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.received: torch.Tensor | None = None
 
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.received is not None and self.received.shape[0] == input_ids.shape[0]
         x, self.received = self.received, None
         return x
@@ -82,9 +83,12 @@ def cut_stage(model: nn.Module, stage: Stage) -> None:
     if not stage.is_first:
         model.stage_input = StageInput()
         if hasattr(model, "embeddings"):  # Nemotron-H names it so and calls it directly
+            if model.lm_head is None:  # tied: the head keeps the table
+                model.lm_head = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False, device="meta")
+                model.lm_head.weight = model.embeddings.weight
             model.embeddings = model.stage_input
-        else:
-            model.embed = model.stage_input
+        else:  # an instance attribute, so that it shadows the family's embed()
+            object.__setattr__(model, "embed", model.stage_input)
     if not stage.is_last:
         if hasattr(model, "norm_f"):
             model.norm_f = ResidualOut()

@@ -18,11 +18,8 @@ from torch import nn
 
 from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor
 from baton.models.layers import BlockEmbedding
-from baton.models.llama import Attention, GatedMLP, LlamaForCausalLM
+from baton.models.llama import LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
-from baton.models.moe import MLP, ExpertElsewhere, GroupedSigmoidMoE, SparseMoE
-from baton.models.qwen3_next import GatedAttention, GatedDeltaNet
-from baton.models.qwen3_next import layer_kinds as qwen3_next_layer_kinds
 from baton.parallel.comm import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -158,11 +155,16 @@ class VocabParallelHead(nn.Module):
 def shard_model(model: nn.Module, cfg: TextModelConfig, tp: TPGroup) -> TextModelConfig:
     """Split `model` in place for rank tp.rank of tp.size; returns the config of this rank's part
     (its heads and widths), which sizes its KV cache and its fused decode step."""
+    from baton.parallel.shard_layers import shard_layer
+
     sharder = Sharder(model, tp)
-    local = _shard_vocab(model, cfg, sharder)
+    _shard_vocab(model, cfg, sharder)
+    local: dict = {}  # the config fields this rank's part changes (heads, widths, state shapes)
     for layer in list(model.layers) + list(getattr(model, "mtp", [])):
-        layer = getattr(layer, "block", layer)  # an MTP layer's decoder block
-        local = _shard_layer(layer, cfg, local, sharder)
+        shard_layer(getattr(layer, "block", layer), cfg, local, sharder)  # an MTP layer: its decoder block
+    hf = {**cfg.hf, **local.pop("hf", {})}
+    kinds = getattr(model, "layer_kinds_from", None)
+    local = dataclasses.replace(cfg, **local, hf=hf, layer_kinds=kinds(hf) if kinds else cfg.layer_kinds)
     # weights kept in blocks are found by their linear's path, which the wrappers lengthened
     moved = {
         sharder.paths[id(m)]: name
@@ -179,13 +181,18 @@ def shard_model(model: nn.Module, cfg: TextModelConfig, tp: TPGroup) -> TextMode
     return local
 
 
-def _shard_vocab(model: nn.Module, cfg: TextModelConfig, sharder: Sharder) -> TextModelConfig:
+def _shard_vocab(model: nn.Module, cfg: TextModelConfig, sharder: Sharder) -> None:
     tp = sharder.tp
+    name = "embeddings" if hasattr(model, "embeddings") else "embed_tokens"  # Nemotron-H's name
     shard = -(-cfg.vocab_size // tp.size)
     vocab = range(min(tp.rank * shard, cfg.vocab_size), min((tp.rank + 1) * shard, cfg.vocab_size))
     rows = torch.arange(vocab.start, vocab.stop)
-    embed = model.embed_tokens
-    key = "embed_tokens.weight"
+    embed = getattr(model, name)
+    key = f"{name}.weight"
+    from baton.parallel.pipeline import StageInput
+
+    if isinstance(embed, StageInput):  # a later pipeline stage: no table here
+        embed = None
     if model.lm_head is None:  # tied: the head gets its own copy of this rank's rows
         head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
         sharder.paths[id(head)] = "lm_head"
@@ -195,104 +202,11 @@ def _shard_vocab(model: nn.Module, cfg: TextModelConfig, sharder: Sharder) -> Te
             head.weight = embed.weight
         model.lm_head = head
     model.lm_head = VocabParallelHead(sharder.take_rows(model.lm_head, rows), cfg.vocab_size, shard, tp)
+    if embed is None:
+        return
     if key in sharder.blocks:
         bt = sharder.blocks.pop(key)
         inner: nn.Module = BlockEmbedding(BlockTensor(bt.qtype, bt.blocks[rows].contiguous()))
     else:
         inner = nn.Embedding.from_pretrained(embed.weight.data[rows].clone(), freeze=True)
-    model.embed_tokens = VocabParallelEmbedding(inner, vocab, tp)
-    return cfg
-
-
-def _shard_layer(layer: nn.Module, cfg: TextModelConfig, local: TextModelConfig, sharder: Sharder) -> TextModelConfig:
-    attn = getattr(layer, "self_attn", None)
-    if isinstance(attn, Attention):
-        local = _shard_attention(attn, local, sharder)
-    elif isinstance(attn, GatedAttention):
-        local = _shard_gated_attention(attn, local, sharder)
-    elif attn is not None:
-        raise ValueError(f"tensor parallelism does not split {type(attn).__name__} layers yet")
-    if isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet):
-        local = _shard_gated_delta_net(layer.linear_attn, local, sharder)
-    mlp = getattr(layer, "mlp", None)
-    if isinstance(mlp, (GatedMLP, MLP)):
-        inter = mlp.down_proj.in_features
-        _shard_gated_mlp(mlp, sharder)
-        if inter == cfg.intermediate_size:
-            local = dataclasses.replace(local, intermediate_size=mlp.down_proj.in_features)
-        layer.mlp = RowParallel(mlp, sharder.tp)
-    elif isinstance(mlp, (SparseMoE, GroupedSigmoidMoE)):
-        _shard_moe(mlp, sharder)
-        layer.mlp = RowParallel(mlp, sharder.tp)
-    elif mlp is not None:
-        raise ValueError(f"tensor parallelism does not split {type(mlp).__name__} yet")
-    return local
-
-
-def _shard_attention(attn: Attention, local: TextModelConfig, sharder: Sharder) -> TextModelConfig:
-    tp, d = sharder.tp, attn.head_dim
-    q, kv = head_split(attn.num_heads, attn.num_kv_heads, tp.size, tp.rank)
-    q_size, kv_size, _ = attn.sizes
-    rows = torch.cat([_rows(q, d), _rows(kv, d, q_size), _rows(kv, d, q_size + kv_size)])
-    attn.qkv_proj = sharder.take_rows(attn.qkv_proj, rows)
-    attn.o_proj = RowParallel(sharder.take_cols(attn.o_proj, range(q.start * d, q.stop * d), tp.rank == 0), tp)
-    attn.num_heads, attn.num_kv_heads = len(q), len(kv)
-    attn.sizes = (len(q) * d, len(kv) * d, len(kv) * d)
-    return dataclasses.replace(local, num_heads=len(q), num_kv_heads=len(kv))
-
-
-def _shard_gated_attention(attn: GatedAttention, local: TextModelConfig, sharder: Sharder) -> TextModelConfig:
-    """Qwen3-Next's: q_proj holds each head's query and output gate, [2 d] rows per head."""
-    tp, d = sharder.tp, attn.head_dim
-    q, kv = head_split(attn.num_heads, attn.num_kv_heads, tp.size, tp.rank)
-    attn.q_proj = sharder.take_rows(attn.q_proj, _rows(q, 2 * d))
-    attn.k_proj = sharder.take_rows(attn.k_proj, _rows(kv, d))
-    attn.v_proj = sharder.take_rows(attn.v_proj, _rows(kv, d))
-    attn.o_proj = RowParallel(sharder.take_cols(attn.o_proj, range(q.start * d, q.stop * d), tp.rank == 0), tp)
-    attn.num_heads, attn.num_kv_heads = len(q), len(kv)
-    return dataclasses.replace(local, num_heads=len(q), num_kv_heads=len(kv))
-
-
-def _shard_gated_delta_net(gdn: GatedDeltaNet, local: TextModelConfig, sharder: Sharder) -> TextModelConfig:
-    """Split by key heads, each with its r = vh / kh value heads: the projections' rows are laid
-    out per key head, the conv channels as [q | k | v], the state per value head."""
-    tp = sharder.tp
-    if gdn.kh % tp.size:
-        raise ValueError(f"{gdn.kh} Gated DeltaNet key heads do not split over {tp.size} ranks")
-    kh = even_split(gdn.kh, tp.size, tp.rank)
-    r, dk, dv = gdn.vh // gdn.kh, gdn.dk, gdn.dv
-    vh = range(kh.start * r, kh.stop * r)
-    gdn.in_proj_qkvz = sharder.take_rows(gdn.in_proj_qkvz, _rows(kh, 2 * dk + 2 * r * dv))
-    gdn.in_proj_ba = sharder.take_rows(gdn.in_proj_ba, _rows(kh, 2 * r))
-    channels = torch.cat([_rows(kh, dk), _rows(kh, dk, gdn.key_dim), _rows(vh, dv, 2 * gdn.key_dim)])
-    gdn.conv1d.weight = nn.Parameter(gdn.conv1d.weight.data[channels].clone(), requires_grad=False)
-    gdn.dt_bias = nn.Parameter(gdn.dt_bias.data[vh.start : vh.stop].clone(), requires_grad=False)
-    gdn.A_log = nn.Parameter(gdn.A_log.data[vh.start : vh.stop].clone(), requires_grad=False)
-    gdn.out_proj = RowParallel(sharder.take_cols(gdn.out_proj, range(vh.start * dv, vh.stop * dv), tp.rank == 0), tp)
-    gdn.kh, gdn.vh = len(kh), len(vh)
-    gdn.key_dim, gdn.value_dim = len(kh) * dk, len(vh) * dv
-    gdn.conv_dim = 2 * gdn.key_dim + gdn.value_dim
-    hf = {**local.hf, "linear_num_key_heads": len(kh), "linear_num_value_heads": len(vh)}
-    return dataclasses.replace(local, hf=hf, layer_kinds=qwen3_next_layer_kinds(hf))
-
-
-def _shard_gated_mlp(mlp: nn.Module, sharder: Sharder) -> None:
-    """gate_up's rows are [gate | up]: this rank's columns of each; down's matching inputs."""
-    inter = mlp.down_proj.in_features
-    cols = even_split(inter, sharder.tp.size, sharder.tp.rank)
-    rows = torch.cat([torch.arange(cols.start, cols.stop), torch.arange(inter + cols.start, inter + cols.stop)])
-    mlp.gate_up_proj = sharder.take_rows(mlp.gate_up_proj, rows)
-    mlp.down_proj = sharder.take_cols(mlp.down_proj, cols, keep_bias=sharder.tp.rank == 0)
-
-
-def _shard_moe(moe: nn.Module, sharder: Sharder) -> None:
-    """Each rank runs its share of the experts on the tokens routed to them (the router itself is
-    replicated: every rank routes alike); the shared expert is split like a dense MLP."""
-    tp = sharder.tp
-    mine = even_split(len(moe.experts), tp.size, tp.rank)
-    for e in range(len(moe.experts)):
-        if e not in mine:
-            moe.experts[e] = ExpertElsewhere()
-    shared = getattr(moe, "shared_expert", None) or getattr(moe, "shared_experts", None)
-    if shared is not None:
-        _shard_gated_mlp(shared, sharder)
+    setattr(model, name, VocabParallelEmbedding(inner, vocab, tp))
