@@ -168,24 +168,11 @@ def test_pd_between_tp1_and_tp2_gives_the_lone_workers_tokens(fmt):
 def test_random_kimi_and_nemotron_split_by_head(tmp_path, family):
     """Kimi Linear (KDA by heads, MLA by heads over a replicated latent, grouped MoE) and
     Nemotron-H (Mamba2 by head groups, NoPE attention, relu2 MLP and MoE) at TP=2 and PP=2."""
-    if family == "kimi-linear":
-        from tests.test_kimi_linear import kimi
+    from tests import test_kimi_linear, test_nemotron_h
 
-        _, path = kimi.__wrapped__(_Factory(tmp_path))
-    else:
-        from tests.test_nemotron_h import build
-
-        _, path = build(tmp_path)
+    _, path = (test_kimi_linear if family == "kimi-linear" else test_nemotron_h).build(tmp_path)
     ids = [
         {"prompt_token_ids": torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
         for n in (9, 70, 150)
     ]
     _same(str(path), ids, block_size=16, max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20)
-
-
-class _Factory:
-    def __init__(self, path) -> None:
-        self.path = path
-
-    def mktemp(self, name: str):
-        return self.path
