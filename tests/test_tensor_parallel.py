@@ -176,3 +176,24 @@ def test_random_kimi_and_nemotron_split_by_head(tmp_path, family):
         for n in (9, 70, 150)
     ]
     _same(str(path), ids, block_size=16, max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20)
+
+
+def test_pd_of_a_hybrid_between_tp1_and_tp2(tmp_path):
+    """Qwen3-Next's span carries Gated DeltaNet state beside the attention KV: TP=2 exports it
+    reassembled from both ranks' channels, and imports a TP=1 span as each rank's channels."""
+    from tests.test_handoff import prefill_span, run_imported
+    from tests.test_recurrent_hybrid import QWEN3_NEXT
+
+    _, path = make_model(tmp_path, "Qwen3NextForCausalLM", **QWEN3_NEXT)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    settings = dict(progress=False, block_size=8, max_num_batched_tokens=32)
+    one = LLM(str(path), **settings)
+    two = LLM(str(path), **settings, tensor_parallel_size=2, master_port=free_port())
+    try:
+        for n in (5, 37):
+            ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            alone = list(one.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids)
+            assert list(run_imported(two, ids, prefill_span(one, ids), params).outputs[0].token_ids) == alone
+            assert list(run_imported(one, ids, prefill_span(two, ids), params).outputs[0].token_ids) == alone
+    finally:
+        two.shutdown()

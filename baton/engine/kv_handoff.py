@@ -1,7 +1,7 @@
 """The engine's side of the KV handoff: sign and check spans, validate an import against this
 worker, write it, export a finished prefill. With tensor parallelism a span carries every KV head:
-validated against the whole model's heads, read from every rank on export, and written as each
-rank's share on import."""
+validated against the whole model's heads and state, read from every rank on export, and written
+as each rank's share on import."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from baton.kv.memory import CacheMemory
 from baton.kv.spec import KVSpec
 from baton.models.loader import LoadedModel
 from baton.parallel.ranks import Ranks
-from baton.parallel.shard import kv_head_shares
+from baton.parallel.shard import kv_head_shares, state_channels
 
 _PROCESS_KV_SECRET = os.urandom(32)
 
@@ -32,16 +32,14 @@ class KVHandoff:
         self.secret = config.kv_secret_bytes() or _PROCESS_KV_SECRET
         self.vocab_size = mc.vocab_size
         self.heads_spec: KVSpec | None = None
-        self.read = None
+        self.read = self.read_state = None
         if ranks is not None:
-            if memory.spec.has_state and config.kv_transfer.kv_role != "none":
-                raise ValueError(
-                    "a KV handoff of recurrent state across tensor-parallel ranks is not built: use --kv-role none"
-                )
             shares = kv_head_shares(mc, ranks.tp.size)
             self.storage.kv_heads = shares[ranks.tp.rank]
+            self.states.channels = state_channels(loaded.model, memory.spec)
             self.heads_spec = KVSpec.build(mc.layer_kinds, mc.num_kv_heads, mc.head_dim, config.cache.block_size)
             self.read = ranks.kv_reader(self.storage, config.cache.block_size, shares, mc.num_kv_heads)
+            self.read_state = ranks.state_reader(self.states, self.heads_spec)
 
     def plan(self, blob: bytes, expected_tokens: list[int] | None) -> ImportPlan:
         """Every check of a KV span against this worker (InvalidKVImport); writes nothing."""
@@ -59,7 +57,8 @@ class KVHandoff:
     def apply(self, request_id: str, plan: ImportPlan) -> None:
         written = apply_import(self.kv, self.storage, self.states, request_id, plan)
         if self.ranks is not None:
-            self.ranks.write_kv(written)
+            slot = self.kv.state_slots.get(request_id)
+            self.ranks.write_kv(written, [[gid, j, slot, t] for gid, j, t in plan.states])
 
     def export(self, request_id: str, prompt_token_ids: list[int], first_token: int, fmt: str) -> bytes:
         span = export_span(
@@ -72,5 +71,6 @@ class KVHandoff:
             fmt,
             self.states,
             self.read,
+            self.read_state,
         )
         return wire.encode(span, self.secret)

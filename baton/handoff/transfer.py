@@ -61,6 +61,7 @@ def export_span(
     fmt: str = "grouped",
     states: StateStorage | None = None,
     read: GroupReader | None = None,
+    read_state: Callable[[int], list[list[torch.Tensor]]] | None = None,
 ) -> KVSpan:
     """Grouped: one K and V per group, sliding groups their last `window` positions.
     Dense: one K and V over all layers and positions; each layer's `layer_starts` entry says from
@@ -73,10 +74,10 @@ def export_span(
     span = KVSpan(fingerprint, list(prompt_token_ids), first_token, storage.span_layout, str(storage.dtype)[6:])
     if kv.spec.has_state:  # the slot holds the state after the whole prompt: position n
         assert states is not None
-        slot = kv.state_slots[request_id]
+        slot_state = (read_state or states.read_slot)(kv.state_slots[request_id])
         for sg in kv.spec.state_groups:
-            for j, t in enumerate(states.running[sg.group_id]):
-                span.tensors.append(SpanTensor("state", sg.layer_ids, n, t[:, slot].clone(), None, j))
+            for j, t in enumerate(slot_state[sg.group_id]):
+                span.tensors.append(SpanTensor("state", sg.layer_ids, n, t, None, j))
     if fmt == "grouped":
         for g in kv.spec.groups:
             start = max(0, n - g.kind.window) if g.kind.is_sliding else 0
@@ -118,7 +119,7 @@ def apply_import(
     if not kv.allocate_for_import(request_id, len(plan.prompt_token_ids)):
         raise RuntimeError("free blocks vanished between validation and import")  # single owner: cannot happen
     for gid, j, t in plan.states:
-        states.running[gid][j][:, kv.state_slots[request_id]].copy_(t)
+        states.write_state(kv.state_slots[request_id], gid, j, t)
     written = []
     for w in plan.writes:
         slots = _slots(kv, request_id, w.group_id, w.positions)

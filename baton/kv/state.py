@@ -38,6 +38,9 @@ class StateStorage:
         # tensor parallel: the driver's slot and checkpoint copies, replayed by the other ranks on
         # their own heads' state before the next forward (None: one rank, nothing to record)
         self.journal: list[list] | None = None
+        # tensor parallel: per state group and tensor, the channels of the model's first state
+        # dimension this rank holds (None: all of them)
+        self.channels: list[list[torch.Tensor]] | None = None
         rows = num_checkpoints + num_slots * drafts_per_slot
         self.running: list[list[torch.Tensor]] = []
         self.checkpoints: list[list[torch.Tensor]] = []
@@ -101,6 +104,12 @@ class StateStorage:
     def read_slot(self, slot: int) -> list[list[torch.Tensor]]:
         """Copies of a slot's state: per state group, per state tensor, [layers, *shape]."""
         return [[t[:, slot].clone() for t in tensors] for tensors in self.running]
+
+    def write_state(self, slot: int, group_id: int, index: int, values: torch.Tensor) -> None:
+        """One state tensor of a slot, [layers, *shape] with every channel of the model."""
+        if self.channels is not None:
+            values = values[:, self.channels[group_id][index]]
+        self.running[group_id][index][:, slot].copy_(values)
 
     def write_slot(self, slot: int, state: list[list[torch.Tensor]]) -> None:
         for tensors, values in zip(self.running, state):

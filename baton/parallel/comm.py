@@ -70,6 +70,12 @@ class TPGroup:
         self.stats.add("all_gather", time.perf_counter() - start, (self.size - 1) * x.nbytes)
         return torch.cat(parts, dim=-1)
 
+    def reduce_to_first(self, x: torch.Tensor) -> None:
+        """Sum x over the ranks into the group's first rank's x."""
+        start = time.perf_counter()
+        dist.reduce(x, dist.get_global_rank(self.group, 0), group=self.group)
+        self.stats.add("reduce", time.perf_counter() - start, x.nbytes)
+
     def gather_heads(self, x: torch.Tensor, heads: list[range], num_heads: int) -> torch.Tensor | None:
         """Every rank's x [..., its heads, dim] (dim -2) put together on rank 0 as [..., num_heads,
         dim]; None elsewhere. Shares may differ in size (padded for the gather) and overlap

@@ -19,12 +19,27 @@ import torch
 from baton.config import EngineConfig
 from baton.handoff.transfer import GroupReader, read_group
 from baton.kv.memory import CacheMemory
+from baton.kv.spec import KVSpec
+from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
 from baton.parallel import messages
 from baton.parallel.comm import TPGroup, destroy_process_group, init_process_group
 from baton.parallel.pipeline import Stage
 
 logger = logging.getLogger(__name__)
+
+
+def reduce_state(tp: TPGroup, states: StateStorage, spec: KVSpec, slot: int) -> list[list[torch.Tensor]]:
+    """A slot's state tensors as the whole model's, [layers, *shape], on rank 0 (zeros elsewhere)."""
+    out = []
+    for g, tensors in zip(spec.state_groups, states.running):
+        out.append([])
+        for j, t in enumerate(tensors):
+            full = torch.zeros((t.shape[0], *g.state_shapes[j]), dtype=t.dtype)
+            full[:, states.channels[g.group_id][j]] = t[:, slot]
+            tp.reduce_to_first(full)
+            out[-1].append(full)
+    return out
 
 
 class RanksLost(RuntimeError):
@@ -130,9 +145,19 @@ class Ranks:
 
         return read
 
-    def write_kv(self, written: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-        """Import: the other ranks write their heads of what the driver wrote (apply_import)."""
-        self.send({"op": "write_kv", "groups": [list(w) for w in written]})
+    def state_reader(self, states: StateStorage, spec: KVSpec) -> Callable[[int], list[list[torch.Tensor]]]:
+        """Export: a slot's state with every rank's channels, summed here (each rank adds its own
+        channels into zeros: exact)."""
+
+        def read(slot: int) -> list[list[torch.Tensor]]:
+            self.send({"op": "read_state", "slot": slot})
+            return reduce_state(self.tp, states, spec, slot)
+
+        return read
+
+    def write_kv(self, written: list, states: list) -> None:
+        """Import: the other ranks write their heads and state channels of what the driver wrote."""
+        self.send({"op": "write_kv", "groups": [list(w) for w in written], "states": states})
 
     def stop(self) -> None:
         if self._stopping.is_set():

@@ -56,6 +56,14 @@ def kv_head_shares(cfg: TextModelConfig, size: int) -> list[range]:
     return [head_split(cfg.num_heads, cfg.num_kv_heads, size, r)[1] for r in range(size)]
 
 
+def state_channels(model: nn.Module, spec) -> list[list[torch.Tensor]] | None:
+    """Per state group and tensor, the model's channels this rank holds (from shard_model)."""
+    channels = getattr(model, "state_channels", None)
+    if not spec.has_state or channels is None:
+        return None
+    return [channels[g.layer_ids[0]] for g in spec.state_groups]
+
+
 def _rows(heads: range, head_dim: int, offset: int = 0) -> torch.Tensor:
     return torch.arange(offset + heads.start * head_dim, offset + heads.stop * head_dim)
 
@@ -162,6 +170,7 @@ def shard_model(model: nn.Module, cfg: TextModelConfig, tp: TPGroup) -> TextMode
     local: dict = {}  # the config fields this rank's part changes (heads, widths, state shapes)
     for layer in list(model.layers) + list(getattr(model, "mtp", [])):
         shard_layer(getattr(layer, "block", layer), cfg, local, sharder)  # an MTP layer: its decoder block
+    model.state_channels = local.pop("state_channels", {})  # layer -> its state tensors' channels here
     hf = {**cfg.hf, **local.pop("hf", {})}
     kinds = getattr(model, "layer_kinds_from", None)
     local = dataclasses.replace(cfg, **local, hf=hf, layer_kinds=kinds(hf) if kinds else cfg.layer_kinds)

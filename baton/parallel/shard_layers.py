@@ -1,7 +1,9 @@
 """How each kind of layer splits over tensor-parallel ranks: attention and latent attention by
 query heads (KV heads divided or replicated), the recurrent mixers (Gated DeltaNet, Kimi Delta
 Attention, Mamba2) by their heads with the conv channels and state that go with them, dense MLPs
-by columns, MoE by experts. Each rule updates `local`, the config fields of this rank's part."""
+by columns, MoE by experts. Each rule updates `local`, the config fields of this rank's part, and
+a recurrent mixer records which channels of each state tensor's first dimension this rank holds
+(`state_channels`: what a KV span's state splits into)."""
 
 from __future__ import annotations
 
@@ -118,6 +120,7 @@ def _gated_delta_net(gdn: GatedDeltaNet, local: dict, sharder: Sharder) -> None:
     gdn.key_dim, gdn.value_dim = len(kh) * dk, len(vh) * dv
     gdn.conv_dim = 2 * gdn.key_dim + gdn.value_dim
     local.setdefault("hf", {}).update(linear_num_key_heads=len(kh), linear_num_value_heads=len(vh))
+    local.setdefault("state_channels", {})[gdn.layer_id] = [channels, torch.arange(vh.start, vh.stop)]
 
 
 def _kimi_delta_attention(kda: KimiDeltaAttention, local: dict, sharder: Sharder) -> None:
@@ -140,6 +143,7 @@ def _kimi_delta_attention(kda: KimiDeltaAttention, local: dict, sharder: Sharder
     kda.in_rows["b_proj"] = len(heads)
     lin = {**(sharder.model.cfg.hf.get("linear_attn_config") or {}), "num_heads": len(heads)}
     local.setdefault("hf", {}).update(linear_attn_config=lin, linear_num_heads=len(heads))
+    local.setdefault("state_channels", {})[kda.layer_id] = [qkv, torch.arange(heads.start, heads.stop)]
 
 
 def _mamba2(mixer: Mamba2Mixer, local: dict, sharder: Sharder) -> None:
@@ -167,6 +171,7 @@ def _mamba2(mixer: Mamba2Mixer, local: dict, sharder: Sharder) -> None:
     mixer.inner = len(heads) * p
     mixer.conv_dim = mixer.inner + 2 * len(groups) * n
     local.setdefault("hf", {}).update(mamba_num_heads=len(heads), n_groups=len(groups), mamba_n_groups=len(groups))
+    local.setdefault("state_channels", {})[mixer.layer_id] = [conv, torch.arange(heads.start, heads.stop)]
 
 
 def _shard_mlp(mlp: nn.Module, sharder: Sharder) -> None:
