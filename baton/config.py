@@ -245,7 +245,7 @@ class ParallelConfig:
     """Where rank 0 listens for the process group (torchrun's --master-addr)."""
     master_port: int = 29500
     distributed_backend: str = "auto"
-    """auto: gloo on CPU, nccl on CUDA."""
+    """auto: gloo, as baton's ranks compute on the CPU (nccl is for CUDA tensors: refused)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):

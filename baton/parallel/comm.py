@@ -96,9 +96,10 @@ class TPGroup:
 
 
 def backend_for(parallel: ParallelConfig) -> str:
-    if parallel.distributed_backend != "auto":
-        return parallel.distributed_backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """gloo: baton's ranks compute on the CPU, and NCCL moves only CUDA tensors."""
+    if parallel.distributed_backend == "nccl":
+        raise ValueError("baton's ranks compute on the CPU and nccl moves only CUDA tensors: use gloo (or auto)")
+    return "gloo"
 
 
 def init_process_group(parallel: ParallelConfig, rank: int) -> TPGroup:
