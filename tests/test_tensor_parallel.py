@@ -59,7 +59,7 @@ def _same(model: str, prompts: list, layouts=((2, 1), (1, 2)), **settings) -> No
             torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+@pytest.mark.parametrize("model", ["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)])
 def test_shipped_models_tp2_and_pp2_match_one_rank(model):
     _same(model, PROMPTS, max_model_len=1024)
 
@@ -73,6 +73,7 @@ def test_random_llama_with_fewer_kv_heads_than_ranks(tmp_path):
     _same(str(path), ids, block_size=4, max_num_batched_tokens=32)
 
 
+@pytest.mark.slow
 def test_random_glm_moe_experts_split_over_ranks(tmp_path):
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
@@ -91,6 +92,7 @@ def test_random_glm_moe_experts_split_over_ranks(tmp_path):
     _same(str(tmp_path), ids, block_size=4, max_num_batched_tokens=32)
 
 
+@pytest.mark.slow
 def test_random_qwen3_next_hybrid_with_prefix_hits(tmp_path):
     """Gated DeltaNet split by key heads, gated attention by heads, MoE experts by rank; the
     second round resumes from recurrent checkpoints (the driver's restores replayed per rank)."""
@@ -164,6 +166,7 @@ def test_pd_between_tp1_and_tp2_gives_the_lone_workers_tokens(fmt):
         two.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["kimi-linear", "nemotron-h"])
 def test_random_kimi_and_nemotron_split_by_head(tmp_path, family):
     """Kimi Linear (KDA by heads, MLA by heads over a replicated latent, grouped MoE) and

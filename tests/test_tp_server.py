@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import pytest
 import requests
 
 from baton.bench.procs import free_port, process_tree
@@ -31,6 +32,7 @@ def _complete(server: ServerProcess) -> list[str]:
     return r.json()["choices"][0]["text"]
 
 
+@pytest.mark.slow
 def test_two_hosts_on_loopback_give_the_one_rank_tokens():
     one = ServerProcess(*SMALL)
     try:

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -15,6 +18,7 @@ from baton.config import ParallelConfig
 # a rank waits this long for the others inside one collective; a dead rank's socket closes and
 # fails the call at once, so this bounds only a rank that hangs
 COLLECTIVE_TIMEOUT = timedelta(seconds=600)
+_LISTENERS: list[socket.socket] = []
 
 
 @dataclass
@@ -105,18 +109,39 @@ def backend_for(parallel: ParallelConfig) -> str:
 def init_process_group(parallel: ParallelConfig, rank: int) -> TPGroup:
     """Join the world (torchrun's conventions: rank 0 listens at master_addr:master_port) and
     return this rank's tensor-parallel group. Ranks r*tp .. r*tp + tp - 1 form pipeline stage r."""
+    backend = backend_for(parallel)
+    if ipaddress.ip_address(socket.gethostbyname(parallel.master_addr)).is_loopback:
+        # gloo picks the hostname's interface unless told; ranks on one host talk over loopback only
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
-        backend_for(parallel),
-        init_method=f"tcp://{parallel.master_addr}:{parallel.master_port}",
-        rank=rank,
-        world_size=parallel.world_size,
-        timeout=COLLECTIVE_TIMEOUT,
+        backend, store=_store(parallel, rank), rank=rank, world_size=parallel.world_size, timeout=COLLECTIVE_TIMEOUT
     )
     tp = parallel.tensor_parallel_size
     groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(parallel.pipeline_parallel_size)]
     return TPGroup(rank % tp, tp, groups[rank // tp])
 
 
+def _store(parallel: ParallelConfig, rank: int) -> dist.TCPStore:
+    """The rendezvous store, rank 0 listening on master_addr only (torch's own binds every
+    interface): with the default 127.0.0.1, nothing off this host can reach it."""
+    addr, port = parallel.master_addr, parallel.master_port
+    if rank != 0:
+        return dist.TCPStore(addr, port, parallel.world_size, False, COLLECTIVE_TIMEOUT)
+    sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((addr, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on master_addr {addr}:{port} for the ranks: {e.strerror}") from None
+    sock.listen(128)
+    store = dist.TCPStore(addr, port, parallel.world_size, True, COLLECTIVE_TIMEOUT, master_listen_fd=sock.fileno())
+    _LISTENERS.append(sock)  # the store serves on this socket's descriptor: keep it open
+    return store
+
+
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    while _LISTENERS:
+        _LISTENERS.pop().close()
