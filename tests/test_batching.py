@@ -15,7 +15,7 @@ def _tokens(llm: LLM, prompts, params=PARAMS) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("model", ["smollm2", pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_batch_invariance(model, request):
     base: LLM = request.getfixturevalue(model)
     prompts = [{"prompt_token_ids": base.get_tokenizer().encode(p)} for p in PROMPTS]

@@ -85,7 +85,7 @@ _LOCAL: dict[tuple[str, int], list[int]] = {}  # the decode worker's own outputs
 
 
 @pytest.mark.parametrize("fmt", ["grouped", "dense"])
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("model", ["smollm2", pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_same_dtype_handoff_equals_local_decode(model, fmt, request):
     prefill: LLM = request.getfixturevalue(model)  # block 16, NHD
     decode: LLM = request.getfixturevalue(f"{model}_decode")  # block 64 / 32, HND

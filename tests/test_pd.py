@@ -64,7 +64,11 @@ class RouterProcess:
         self.proc.wait(timeout=30)
 
 
-@pytest.fixture(scope="module", params=[("smollm2-135m", "grouped"), ("gemma3-270m", "dense")], ids=lambda p: p[0])
+@pytest.fixture(
+    scope="module",
+    params=[("smollm2-135m", "grouped"), pytest.param(("gemma3-270m", "dense"), marks=pytest.mark.slow)],
+    ids=lambda p: p[0],
+)
 def trio(request):
     model, span_format = request.param
     keyed = ("--model", model, "--api-key", KEY)
@@ -207,6 +211,7 @@ def test_killing_the_prefill_worker_never_hangs_a_request(trio):
     router.stop()
 
 
+@pytest.mark.slow
 def test_baton_pd_stops_its_workers_and_router_on_sigterm():
     port = free_port()
     proc = subprocess.Popen(

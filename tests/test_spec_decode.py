@@ -225,6 +225,7 @@ def tiny_vocab(tmp_path_factory):
     return target, draft
 
 
+@pytest.mark.slow
 def test_draft_model_sampling_has_the_target_distribution(tiny_vocab):
     """Chi-square of the second and third sampled tokens against the exact marginals from
     transformers' forward on the same weights, over 10,000 seeded draws with a draft model whose

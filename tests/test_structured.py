@@ -54,7 +54,7 @@ def _constrained(spec: StructuredOutputsParams, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=kw.pop("max_tokens", 160), structured_outputs=spec, **kw)
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("model", ["smollm2", pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_every_output_validates_against_its_schema(model, request):
     llm: LLM = request.getfixturevalue(model)
     for schema in SCHEMAS:

@@ -64,6 +64,7 @@ def test_shipped_models_tp2_and_pp2_match_one_rank(model):
     _same(model, PROMPTS, max_model_len=1024)
 
 
+@pytest.mark.slow
 def test_random_llama_with_fewer_kv_heads_than_ranks(tmp_path):
     _, path = make_model(tmp_path, "LlamaForCausalLM", num_key_value_heads=1, tie_word_embeddings=False)
     ids = [

@@ -200,14 +200,15 @@ class AsyncEngine:
             self._fail_inbox()
 
     def _ranks_lost(self, why: str) -> None:
-        """A tensor-parallel rank died: /health says 503 at once and the loop fails what is in flight."""
+        """A rank died or the ranks fell out of step: /health says 503 at once and the loop fails
+        what is in flight."""
         self.dead = True
         self._wake.set()
 
     def _run(self) -> None:
         while not self._stopping.is_set():
             if self.dead:
-                raise EngineDeadError(f"a tensor-parallel rank died: {self.engine.ranks.lost}")
+                raise EngineDeadError(f"the engine's ranks are lost: {self.engine.ranks.lost}")
             self._drain_inbox()
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=0.5)

@@ -122,6 +122,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelOutput:
+        try:
+            return self._execute(batch)
+        except Exception as e:
+            if self.ranks is not None:  # the other ranks may be waiting in a collective of this step
+                self.ranks.lose(f"a step failed on the driver ({type(e).__name__}: {e})")
+            raise
+
+    def _execute(self, batch: SchedulerOutput) -> ModelOutput:
         input_ids, positions, logit_rows = [], [], []
         sample_rows: dict[str, int] = {}
         prompt_rows: dict[str, tuple[int, int]] = {}

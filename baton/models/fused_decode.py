@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from baton.kv.storage import FP8, KVStorage
-from baton.models.layers import GroupAttnMetadata, PackedLinear
+from baton.models.layers import GroupAttnMetadata, PackedLinear, RMSNorm
 from baton.ops import ops
 
 
@@ -15,7 +15,9 @@ class FusedDecoder:
         cfg = model.cfg
         self.storage = storage
         self.kinds = model.layer_kinds  # rope kind -> its index in forward's cos/sin lists
-        norm = model.norm
+        # a pipeline stage before the last has no final norm: it hands on the residual stream
+        final = model.norm if isinstance(model.norm, RMSNorm) else None
+        norm = model.layers[0].input_layernorm  # every norm's eps and offset
         self._decoder = ops().FusedDecoder(
             num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads,
@@ -26,16 +28,16 @@ class FusedDecoder:
             norm_offset=norm.offset,
             scale=cfg.attn_scale,
             gelu_tanh=cfg.hidden_act == "gelu_pytorch_tanh",
-            final_norm=norm.weight,
+            final_norm=None if final is None else final.weight,
         )
         tp = getattr(model, "tp", None)
         if tp is not None and tp.size > 1:
             self._decoder.set_all_reduce(tp.all_reduce)
-        for i, layer in enumerate(model.layers):
+        for layer in model.layers:
             # a tensor-parallel model's o and MLP sum over the ranks (parallel/shard.py's RowParallel)
             attn, mlp = layer.self_attn, getattr(layer.mlp, "inner", layer.mlp)
             o_proj = getattr(attn.o_proj, "inner", attn.o_proj)
-            cache = storage.layer_kv(i)
+            cache = storage.layer_kv(attn.layer_id)
             self._decoder.add_layer(
                 input_norm=layer.input_layernorm.weight,
                 post_attn_norm=layer.post_attention_layernorm.weight,
@@ -54,7 +56,7 @@ class FusedDecoder:
                 k_scale=cache.k_scale,
                 v_scale=cache.v_scale,
                 rope=self.kinds.index(attn.kind),
-                group=storage.spec.layer_to_group[i][0],
+                group=storage.spec.layer_to_group[attn.layer_id][0],
             )
 
     @staticmethod

@@ -76,10 +76,10 @@ class Stopwatch {
 class FusedDecoder {
  public:
   FusedDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate,
-               double eps, double norm_offset, double scale, bool gelu_tanh, torch::Tensor final_norm)
+               double eps, double norm_offset, double scale, bool gelu_tanh, c10::optional<torch::Tensor> final_norm)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), hidden_(hidden),
         intermediate_(intermediate), eps_(eps), offset_(norm_offset), scale_(scale), gelu_tanh_(gelu_tanh),
-        final_norm_(std::move(final_norm)) {}
+        final_norm_(final_norm.value_or(torch::Tensor())) {}
 
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attn_norm, c10::optional<torch::Tensor> pre_ff_norm,
                  c10::optional<torch::Tensor> post_ff_norm, c10::optional<torch::Tensor> q_norm,
@@ -184,6 +184,10 @@ class FusedDecoder {
       watch.lap(kAllReduce);
       if (l.post_ff_norm.defined()) x = rms_norm(x, c10::nullopt, l.post_ff_norm, eps_, offset_);
     }
+    if (!final_norm_.defined()) {  // a pipeline stage before the last: it hands on the residual stream
+      if (!layers_.empty()) residual.add_(x);
+      return residual;
+    }
     torch::Tensor out = layers_.empty() ? rms_norm(residual, c10::nullopt, final_norm_, eps_, offset_)
                                         : rms_norm(x, residual, final_norm_, eps_, offset_);
     watch.lap(kNorms);
@@ -265,7 +269,7 @@ class FusedDecoder {
   double eps_, offset_, scale_;
   bool gelu_tanh_;
   pybind11::object all_reduce_;  // none: one rank
-  torch::Tensor final_norm_;
+  torch::Tensor final_norm_;  // undefined: no final norm (a pipeline stage before the last)
   std::vector<DecodeLayer> layers_;
   bool profiling_ = false;
   std::array<double, kNumParts> seconds_{};
@@ -279,7 +283,8 @@ void bind_fused_decoder(pybind11::module_& m) {
   // the GIL while it waits for mu_.
   using release = py::call_guard<py::gil_scoped_release>;
   py::class_<FusedDecoder>(m, "FusedDecoder")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, bool, torch::Tensor>(),
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, bool,
+                    c10::optional<torch::Tensor>>(),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("hidden"),
            py::arg("intermediate"), py::arg("eps"), py::arg("norm_offset"), py::arg("scale"), py::arg("gelu_tanh"),
            py::arg("final_norm"))

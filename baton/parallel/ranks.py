@@ -85,8 +85,10 @@ class Ranks:
                 p.kill()
             raise
         logger.info(
-            "tensor parallel over %d ranks (%d on this host), backend %s",
+            "%d ranks (tensor parallel %d x pipeline parallel %d), %d on this host, backend %s",
             parallel.world_size,
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
             parallel.ranks_per_node,
             torch.distributed.get_backend(),
         )
@@ -97,14 +99,15 @@ class Ranks:
             for rank, proc in enumerate(self.procs, start=1):
                 code = proc.poll()
                 if code is not None and not self._stopping.is_set():
-                    self._lose(f"rank {rank} exited with code {code}")
+                    self.lose(f"rank {rank} exited with code {code}")
                     return
 
-    def _lose(self, why: str) -> None:
+    def lose(self, why: str) -> None:
+        """The ranks are out of step for good: no collective may be started again."""
         if self.lost is not None:
             return
         self.lost = why
-        logger.error("tensor-parallel %s: this engine cannot step any more", why)
+        logger.error("%s: this engine's ranks cannot step any more", why)
         for callback in self.on_lost:
             callback(why)
 
@@ -116,7 +119,7 @@ class Ranks:
             nbytes = messages.broadcast(message)
             self.tp.stats.add("broadcast", time.perf_counter() - start, nbytes * (self.config.parallel.world_size - 1))
         except RuntimeError as e:  # a peer's socket closed under the collective
-            self._lose(f"a collective failed ({e})")
+            self.lose(f"a collective failed ({e})")
             raise RanksLost(str(self.lost)) from e
 
     def build_caches(self, memory: CacheMemory, kv_dtype: torch.dtype) -> None:
