@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from baton.kv.storage import FP8, KVStorage
-from baton.models.layers import GroupAttnMetadata, PackedLinear, RMSNorm
+from baton.models.layers import GroupAttnMetadata, PackedLinear, RMSNorm, unwrapped
 from baton.ops import ops
 
 
@@ -35,8 +35,8 @@ class FusedDecoder:
             self._decoder.set_all_reduce(tp.all_reduce)
         for layer in model.layers:
             # a tensor-parallel model's o and MLP sum over the ranks (parallel/shard.py's RowParallel)
-            attn, mlp = layer.self_attn, getattr(layer.mlp, "inner", layer.mlp)
-            o_proj = getattr(attn.o_proj, "inner", attn.o_proj)
+            attn, mlp = layer.self_attn, unwrapped(layer.mlp)
+            o_proj = unwrapped(attn.o_proj)
             cache = storage.layer_kv(attn.layer_id)
             self._decoder.add_layer(
                 input_norm=layer.input_layernorm.weight,

@@ -10,8 +10,8 @@ import torch
 from baton.kv.spec import STATE_DTYPE
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.layers import PackedLinear
-from baton.models.moe import SparseMoE
+from baton.models.layers import PackedLinear, unwrapped
+from baton.models.moe import ExpertElsewhere, SparseMoE
 from baton.models.recurrent import StateMetadata
 from baton.ops import ops
 
@@ -67,6 +67,9 @@ class FusedHybridDecoder:
             value_dim=int(hf["linear_value_head_dim"]),
             conv_kernel=int(hf["linear_conv_kernel_dim"]),
         )
+        tp = getattr(model, "tp", None)
+        if tp is not None and tp.size > 1:
+            self._decoder.set_all_reduce(tp.all_reduce)
         for i, layer in enumerate(model.layers):
             norms = dict(input_norm=layer.input_layernorm.weight, post_attn_norm=layer.post_attention_layernorm.weight)
             if layer.recurrent:
@@ -76,7 +79,7 @@ class FusedHybridDecoder:
                     **norms,
                     qkvz=la.in_proj_qkvz.packed,
                     ba=la.in_proj_ba.packed,
-                    out_proj=la.out_proj.packed,
+                    out_proj=unwrapped(la.out_proj).packed,
                     conv_weight=la.conv1d.weight[:, 0].float().contiguous(),
                     # GatedDeltaNet.forward's -A_log.float().exp(): the same op on the same [vh], once
                     neg_exp_a=(-la.A_log.float().exp()).contiguous(),
@@ -99,15 +102,15 @@ class FusedHybridDecoder:
                     k_bias=attn.k_proj.bias,
                     v_proj=attn.v_proj.packed,
                     v_bias=attn.v_proj.bias,
-                    o_proj=attn.o_proj.packed,
-                    o_bias=attn.o_proj.bias,
+                    o_proj=unwrapped(attn.o_proj).packed,
+                    o_bias=unwrapped(attn.o_proj).bias,
                     q_norm=attn.q_norm.weight,
                     k_norm=attn.k_norm.weight,
                     k_cache=k_cache,
                     v_cache=v_cache,
                     group=storage.spec.layer_to_group[i][0],
                 )
-            mlp = layer.mlp
+            mlp = unwrapped(layer.mlp)
             if isinstance(mlp, SparseMoE):
                 shared = mlp.shared_expert
                 self._decoder.set_moe(
@@ -133,8 +136,10 @@ class FusedHybridDecoder:
             return False
         for layer in model.layers:
             mixer = layer.linear_attn if layer.recurrent else layer.self_attn
-            mlp = layer.mlp
-            experts = list(mlp.experts) if isinstance(mlp, SparseMoE) else [mlp]
+            mlp = unwrapped(layer.mlp)
+            experts = (
+                [e for e in mlp.experts if not isinstance(e, ExpertElsewhere)] if isinstance(mlp, SparseMoE) else [mlp]
+            )
             if isinstance(mlp, SparseMoE):
                 experts += [e for e in (mlp.shared_expert,) if e is not None]
                 linears = [mlp.gate] + ([] if mlp.shared_expert_gate is None else [mlp.shared_expert_gate])
@@ -162,10 +167,12 @@ class FusedHybridDecoder:
 
 def expert_arguments(experts: torch.nn.ModuleList, shared: torch.nn.Module | None) -> dict:
     """The routed experts' and the shared expert's packed gate_up / down weights, as set_moe takes them."""
+    here = [e for e in experts if not isinstance(e, ExpertElsewhere)]
+    absent = torch.empty(0)  # tensor parallel: an expert another rank holds
     return {
-        "expert_gate_up": [e.gate_up_proj.packed for e in experts],
-        "expert_down": [e.down_proj.packed for e in experts],
-        "moe_intermediate": experts[0].down_proj.in_features,
+        "expert_gate_up": [absent if isinstance(e, ExpertElsewhere) else e.gate_up_proj.packed for e in experts],
+        "expert_down": [absent if isinstance(e, ExpertElsewhere) else e.down_proj.packed for e in experts],
+        "moe_intermediate": here[0].down_proj.in_features if here else 1,
         "shared_gate_up": None if shared is None else shared.gate_up_proj.packed,
         "shared_down": None if shared is None else shared.down_proj.packed,
         "shared_intermediate": 0 if shared is None else shared.down_proj.in_features,

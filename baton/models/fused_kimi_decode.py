@@ -11,7 +11,7 @@ from baton.kv.spec import STATE_DTYPE
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
 from baton.models.fused_hybrid_decode import expert_arguments, step_arguments
-from baton.models.layers import PackedLinear
+from baton.models.layers import PackedLinear, unwrapped
 from baton.models.moe import GroupedSigmoidMoE
 from baton.ops import ops
 
@@ -45,6 +45,9 @@ class FusedKimiDecoder:
             kda_dim=dim,
             conv_kernel=kernel,
         )
+        tp = getattr(model, "tp", None)
+        if tp is not None and tp.size > 1:
+            self._decoder.set_all_reduce(tp.all_reduce)
         for i, layer in enumerate(model.layers):
             norms = dict(input_norm=layer.input_layernorm.weight, post_attn_norm=layer.post_attention_layernorm.weight)
             attn = layer.self_attn
@@ -53,7 +56,7 @@ class FusedKimiDecoder:
                 self._decoder.add_kda_layer(
                     **norms,
                     in_proj=attn.in_proj.packed,
-                    o_proj=attn.o_proj.packed,
+                    o_proj=unwrapped(attn.o_proj).packed,
                     conv_weight=attn.conv_weight.float().contiguous(),
                     f_b=attn.f_b_proj.packed,
                     g_b=attn.g_b_proj.packed,
@@ -81,12 +84,12 @@ class FusedKimiDecoder:
                     kv_a_bias=_bias(attn.kv_a_proj_with_mqa),
                     kv_a_norm=attn.kv_a_layernorm.weight,
                     kv_b=attn.kv_b_proj.weight,  # einsum's very operand: plain, never packed
-                    o_proj=attn.o_proj.packed,
-                    o_bias=_bias(attn.o_proj),
+                    o_proj=unwrapped(attn.o_proj).packed,
+                    o_bias=_bias(unwrapped(attn.o_proj)),
                     k_cache=k_cache,
                     group=storage.spec.layer_to_group[i][0],
                 )
-            mlp = layer.mlp
+            mlp = unwrapped(layer.mlp)
             if isinstance(mlp, GroupedSigmoidMoE):
                 gate, shared = mlp.gate, mlp.shared_experts
                 self._decoder.set_moe(
@@ -115,7 +118,7 @@ class FusedKimiDecoder:
         if model.norm.weight.dtype != torch.float32:
             return False
         for layer in model.layers:
-            plain = [getattr(layer.self_attn, "kv_b_proj", None), getattr(layer.mlp, "gate", None)]
+            plain = [getattr(layer.self_attn, "kv_b_proj", None), getattr(unwrapped(layer.mlp), "gate", None)]
             if any(m is not None and m.weight.dtype != torch.float32 for m in plain):
                 return False
             modules = [*layer.self_attn.modules(), *layer.mlp.modules()]

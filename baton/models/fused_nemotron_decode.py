@@ -11,7 +11,8 @@ from baton.kv.spec import STATE_DTYPE
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
 from baton.models.fused_hybrid_decode import step_arguments
-from baton.models.layers import PackedLinear
+from baton.models.layers import PackedLinear, unwrapped
+from baton.models.moe import ExpertElsewhere
 from baton.ops import ops
 
 
@@ -41,8 +42,12 @@ class FusedNemotronDecoder:
             state_size=n,
             conv_kernel=k,
         )
+        tp = getattr(model, "tp", None)
+        if tp is not None and tp.size > 1:
+            self._decoder.set_all_reduce(tp.all_reduce)
+        absent = torch.empty(0)  # tensor parallel: an expert another rank holds
         for i, layer in enumerate(model.layers):
-            norm, mixer = layer.norm.weight, layer.mixer
+            norm, mixer = layer.norm.weight, unwrapped(layer.mixer)
             if isinstance(mixer, Mamba2Mixer):
                 (conv_state, ssm_state), (conv_ckpt, ssm_ckpt) = states.layer(i)
                 conv_bias = mixer.conv1d.bias
@@ -50,8 +55,8 @@ class FusedNemotronDecoder:
                     norm=norm,
                     in_proj=mixer.in_proj.packed,
                     in_bias=_bias(mixer.in_proj),
-                    out_proj=mixer.out_proj.packed,
-                    out_bias=_bias(mixer.out_proj),
+                    out_proj=unwrapped(mixer.out_proj).packed,
+                    out_bias=_bias(unwrapped(mixer.out_proj)),
                     conv_weight=mixer.conv1d.weight[:, 0].float().contiguous(),
                     conv_bias=None if conv_bias is None else conv_bias.float().contiguous(),
                     # Mamba2Mixer.forward's -A_log.float().exp(): the same op on the same [nh], once
@@ -73,7 +78,7 @@ class FusedNemotronDecoder:
                     q_proj=mixer.q_proj.packed,
                     k_proj=mixer.k_proj.packed,
                     v_proj=mixer.v_proj.packed,
-                    o_proj=mixer.o_proj.packed,
+                    o_proj=unwrapped(mixer.o_proj).packed,
                     k_cache=k_cache,
                     v_cache=v_cache,
                     group=storage.spec.layer_to_group[i][0],
@@ -90,9 +95,13 @@ class FusedNemotronDecoder:
                     topk_group=gate.topk_group,
                     norm_topk_prob=gate.norm_topk_prob,
                     routed_scaling_factor=gate.routed_scaling_factor,
-                    expert_up=[e.up_proj.packed for e in mixer.experts],
-                    expert_down=[e.down_proj.packed for e in mixer.experts],
-                    moe_intermediate=mixer.experts[0].up_proj.out_features,
+                    expert_up=[absent if isinstance(e, ExpertElsewhere) else e.up_proj.packed for e in mixer.experts],
+                    expert_down=[
+                        absent if isinstance(e, ExpertElsewhere) else e.down_proj.packed for e in mixer.experts
+                    ],
+                    moe_intermediate=next(
+                        (e.up_proj.out_features for e in mixer.experts if not isinstance(e, ExpertElsewhere)), 1
+                    ),
                     fc1=None if fc1 is None else fc1.packed,
                     fc1_bias=None if fc1 is None else _bias(fc1),
                     fc2=None if fc2 is None else fc2.packed,
@@ -122,7 +131,7 @@ class FusedNemotronDecoder:
         if model.norm_f.weight.dtype != torch.float32:
             return False
         for layer in model.layers:
-            mixer = layer.mixer
+            mixer = unwrapped(layer.mixer)
             gate = getattr(mixer, "gate", None)
             if gate is not None and gate.weight.dtype != torch.float32:
                 return False

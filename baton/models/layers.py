@@ -66,6 +66,12 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed, self.bias, self.out_features)
 
 
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The module, or the one a tensor-parallel wrapper holds (parallel/shard.py's RowParallel sums
+    its output over the ranks; a fused decode step calls the sum back itself)."""
+    return module.inner if getattr(module, "sums_over_ranks", False) else module
+
+
 class BlockEmbedding(nn.Module):
     """An embedding table kept in a GGUF block format: a lookup dequantizes only the rows it reads
     (Gemma3's 262k x 640 table is 178 MB in Q8_0 against 671 MB as float32)."""

@@ -3,6 +3,7 @@
 // Through Python each layer is ~25 module calls, views and torch ops at 2-5 us each, ~5 ms of a
 // 20 ms SmolLM2 step at one sequence; here a layer costs its kernels. The kernels are the ones
 // the Python path calls, in the same order, so a row's bits are the same on either path.
+#include "all_reduce_hook.h"
 #include "ops.h"
 
 #include <pybind11/stl.h>
@@ -166,7 +167,7 @@ class FusedDecoder {
       watch.lap(kAttention);
       const torch::Tensor o = packed_linear(attn.view({n, q_size}), l.o, l.o_bias, hidden_);
       watch.lap(kLinears);
-      all_reduce(o);
+      all_reduce_(o);
       watch.lap(kAllReduce);
       const torch::Tensor mlp_in =
           l.pre_ff_norm.defined()
@@ -180,7 +181,7 @@ class FusedDecoder {
       watch.lap(kNorms);
       x = packed_linear(act, l.down, c10::nullopt, hidden_);
       watch.lap(kLinears);
-      all_reduce(x);
+      all_reduce_(x);
       watch.lap(kAllReduce);
       if (l.post_ff_norm.defined()) x = rms_norm(x, c10::nullopt, l.post_ff_norm, eps_, offset_);
     }
@@ -194,11 +195,10 @@ class FusedDecoder {
     return out;
   }
 
-  // Tensor parallel: o and down give this rank's partial sums; `fn(t)` sums t over the ranks in
-  // place (torch.distributed, called back with the GIL). Bound without releasing the GIL.
+  // Tensor parallel: o and down give this rank's partial sums (all_reduce_hook.h).
   void set_all_reduce(pybind11::object fn) {
     std::lock_guard<std::mutex> lock(mu_);
-    all_reduce_ = std::move(fn);
+    all_reduce_.set(std::move(fn));
   }
 
   // Off by default: with it on, forward adds each part's wall time to profile().
@@ -259,16 +259,10 @@ class FusedDecoder {
     }
   }
 
-  void all_reduce(const torch::Tensor& t) {
-    if (!all_reduce_) return;
-    pybind11::gil_scoped_acquire gil;
-    all_reduce_(t);
-  }
-
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_, intermediate_;
   double eps_, offset_, scale_;
   bool gelu_tanh_;
-  pybind11::object all_reduce_;  // none: one rank
+  AllReduceHook all_reduce_;
   torch::Tensor final_norm_;  // undefined: no final norm (a pipeline stage before the last)
   std::vector<DecodeLayer> layers_;
   bool profiling_ = false;

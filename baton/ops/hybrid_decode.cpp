@@ -132,6 +132,7 @@ void FusedHybridDecoder::set_moe(torch::Tensor router, int64_t top_k, bool norm_
   TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must be in [1, ", experts, "], got ", top_k);
   check_packed(router, hidden_, experts, "router");
   for (int64_t e = 0; e < experts; ++e) {
+    if (expert_gate_up[e].numel() == 0 && expert_down[e].numel() == 0) continue;  // held by another rank
     check_packed(expert_gate_up[e], hidden_, 2 * moe_intermediate, "expert gate_up");
     check_packed(expert_down[e], moe_intermediate, hidden_, "expert down");
   }
@@ -230,6 +231,7 @@ void bind_fused_hybrid_decoder(pybind11::module_& m) {
            py::arg("slot_mapping"), py::arg("block_ids"), py::arg("kv_offsets"), py::arg("kv_lens"),
            py::arg("block_size"), py::arg("state_slots"), py::arg("snapshot_rows"), py::arg("snapshot_offsets"),
            py::arg("snapshot_ids"), release())
+      .def("set_all_reduce", &FusedHybridDecoder::set_all_reduce)
       .def("set_profiling", &FusedHybridDecoder::set_profiling, release())
       .def("profile", &FusedHybridDecoder::profile, release());
 }

@@ -1,4 +1,5 @@
 #pragma once
+#include "all_reduce_hook.h"
 // A decode step of Qwen3-Next (Gated DeltaNet layers beside gated full attention, MoE with a
 // shared expert) in one call, as decode.cpp does for the Llama family: every layer's norms, packed
 // linears, causal conv, delta-rule step, rotary, KV write, paged attention and experts run back to
@@ -112,6 +113,7 @@ class FusedHybridDecoder {
 
   void set_profiling(bool on);
   std::map<std::string, double> profile() const;
+  void set_all_reduce(pybind11::object fn);
 
  private:
   struct Step {
@@ -157,5 +159,6 @@ class FusedHybridDecoder {
   bool profiling_ = false;
   std::array<double, kNumParts> seconds_{};
   std::vector<int64_t> group_slots_;  // per KV group, the fewest slots of its layers' caches
+  AllReduceHook all_reduce_;  // tensor parallel: after each mixer and each MLP
   mutable std::mutex mu_;
 };

@@ -68,14 +68,21 @@ torch::Tensor FusedHybridDecoder::forward(const torch::Tensor& x_in, const torch
                                    : rms_norm(x, residual, l.input_norm, eps_, offset_);
     watch.lap(kNorms);
     const torch::Tensor mixed = l.recurrent ? delta_net(l, h, step, watch) : attention(l, h, step, watch);
+    all_reduce_(mixed);
     const torch::Tensor mlp_in = rms_norm(mixed, residual, l.post_attn_norm, eps_, offset_);
     watch.lap(kNorms);
     x = l.moe ? moe(l, mlp_in, watch) : dense_mlp(l, mlp_in, watch);
+    all_reduce_(x);
   }
   torch::Tensor out = layers_.empty() ? rms_norm(residual, c10::nullopt, final_norm_, eps_, offset_)
                                       : rms_norm(x, residual, final_norm_, eps_, offset_);
   watch.lap(kNorms);
   return out;
+}
+
+void FusedHybridDecoder::set_all_reduce(pybind11::object fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  all_reduce_.set(std::move(fn));
 }
 
 void FusedHybridDecoder::set_profiling(bool on) {

@@ -148,6 +148,7 @@ void FusedKimiDecoder::set_moe(torch::Tensor router_weight, torch::Tensor correc
   TORCH_CHECK(static_cast<int64_t>(expert_gate_up.size()) == experts && expert_down.size() == expert_gate_up.size(),
               "one gate_up and one down per expert of the router's ", experts);
   for (int64_t e = 0; e < experts; ++e) {
+    if (expert_gate_up[e].numel() == 0 && expert_down[e].numel() == 0) continue;  // held by another rank
     check_packed(expert_gate_up[e], hidden_, 2 * moe_intermediate, "expert gate_up");
     check_packed(expert_down[e], moe_intermediate, hidden_, "expert down");
   }
@@ -198,6 +199,7 @@ void bind_fused_kimi_decoder(pybind11::module_& m) {
            py::arg("routed_scaling_factor"), py::arg("expert_gate_up"), py::arg("expert_down"),
            py::arg("moe_intermediate"), py::arg("shared_gate_up"), py::arg("shared_down"),
            py::arg("shared_intermediate"), release())
+      .def("set_all_reduce", &FusedKimiDecoder::set_all_reduce)
       .def("forward", &FusedKimiDecoder::forward, py::arg("x"), py::arg("slot_mapping"), py::arg("block_ids"),
            py::arg("kv_offsets"), py::arg("kv_lens"), py::arg("block_size"), py::arg("state_slots"),
            py::arg("snapshot_rows"), py::arg("snapshot_offsets"), py::arg("snapshot_ids"), release());

@@ -1,4 +1,5 @@
 #pragma once
+#include "all_reduce_hook.h"
 // A decode step of Kimi Linear (Kimi Delta Attention layers beside NoPE multi-head latent
 // attention, dense or grouped-sigmoid MoE MLPs) in one call, as hybrid_decode.h does for
 // Qwen3-Next: every layer's norms, packed linears, short convs, delta rule, latent cache write,
@@ -72,6 +73,12 @@ class FusedKimiDecoder {
                         const std::vector<int64_t>& state_slots, const std::vector<int64_t>& snapshot_rows,
                         const std::vector<int64_t>& snapshot_offsets, const std::vector<int64_t>& snapshot_ids);
 
+  // Tensor parallel: sums each row-parallel output over the ranks (all_reduce_hook.h).
+  void set_all_reduce(pybind11::object fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    all_reduce_.set(std::move(fn));
+  }
+
  private:
   struct Step {
     const std::vector<torch::Tensor>& slot_mapping;
@@ -103,5 +110,6 @@ class FusedKimiDecoder {
   int64_t num_state_slots_ = std::numeric_limits<int64_t>::max();
   int64_t num_checkpoints_ = std::numeric_limits<int64_t>::max();
   std::vector<int64_t> group_slots_;  // per KV group, the fewest slots of its layers' caches
+  AllReduceHook all_reduce_;
   mutable std::mutex mu_;
 };

@@ -53,7 +53,9 @@ torch::Tensor FusedKimiDecoder::forward(const torch::Tensor& x_in, const std::ve
     const torch::Tensor h = i == 0 ? rms_norm(residual, c10::nullopt, l.input_norm, eps_, 0.0)
                                    : rms_norm(x, residual, l.input_norm, eps_, 0.0);
     const torch::Tensor mixed = l.recurrent ? kda(l, h, step) : mla(l, h, step);
+    all_reduce_(mixed);
     x = mlp(l, rms_norm(mixed, residual, l.post_attn_norm, eps_, 0.0));
+    all_reduce_(x);
   }
   return layers_.empty() ? rms_norm(residual, c10::nullopt, final_norm_, eps_, 0.0)
                          : rms_norm(x, residual, final_norm_, eps_, 0.0);

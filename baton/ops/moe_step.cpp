@@ -42,6 +42,7 @@ torch::Tensor moe_experts(const torch::Tensor& x, const MoeRouting& routing, con
                           const std::vector<torch::Tensor>& down, int64_t intermediate) {
   const int64_t hidden = x.size(1);
   return moe_experts_by(x, routing, static_cast<int64_t>(gate_up.size()), [&](int64_t e, const torch::Tensor& xe) {
+    if (gate_up[e].numel() == 0) return torch::Tensor();  // tensor parallel: another rank's expert
     const torch::Tensor act = gated_act(packed_linear(xe, gate_up[e], c10::nullopt, 2 * intermediate), false);
     return packed_linear(act, down[e], c10::nullopt, hidden);
   });
@@ -70,6 +71,7 @@ torch::Tensor moe_experts_by(const torch::Tensor& x, const MoeRouting& routing, 
     for (int64_t i = 0; i < m; ++i)
       std::memcpy(xe.data_ptr<float>() + i * hidden, xp + rows[i] * hidden, hidden * sizeof(float));
     const torch::Tensor y = expert(e, xe);
+    if (!y.defined()) continue;
     const float* yp = y.data_ptr<float>();
     for (int64_t i = 0; i < m; ++i) {
       float* o = outp + rows[i] * hidden;

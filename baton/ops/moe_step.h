@@ -24,7 +24,8 @@ MoeRouting moe_route_(torch::Tensor& probs, int64_t top_k, bool norm_topk);
 torch::Tensor moe_experts(const torch::Tensor& x, const MoeRouting& routing, const std::vector<torch::Tensor>& gate_up,
                           const std::vector<torch::Tensor>& down, int64_t intermediate);
 
-// moe_experts over any experts: expert(e, xe) is expert e's output [m, hidden] for its rows xe [m, hidden]
+// moe_experts over any experts: expert(e, xe) is expert e's output [m, hidden] for its rows xe [m, hidden],
+// or undefined for an expert another tensor-parallel rank holds (its rows' share comes from there)
 using MoeExpertFn = std::function<torch::Tensor(int64_t, const torch::Tensor&)>;
 torch::Tensor moe_experts_by(const torch::Tensor& x, const MoeRouting& routing, int64_t num_experts,
                              const MoeExpertFn& expert);

@@ -150,6 +150,7 @@ void FusedNemotronDecoder::add_moe_layer(
     check_bias(fc2_bias, hidden_, "fc2_latent_proj bias");
   }
   for (int64_t e = 0; e < experts; ++e) {
+    if (expert_up[e].numel() == 0 && expert_down[e].numel() == 0) continue;  // held by another rank
     check_packed(expert_up[e], width, moe_intermediate, "expert up_proj");
     check_packed(expert_down[e], moe_intermediate, width, "expert down_proj");
   }
@@ -203,6 +204,7 @@ void bind_fused_nemotron_decoder(pybind11::module_& m) {
            py::arg("moe_intermediate"), py::arg("fc1"), py::arg("fc1_bias"), py::arg("fc2"), py::arg("fc2_bias"),
            py::arg("width"), py::arg("shared_up"), py::arg("shared_up_bias"), py::arg("shared_down"),
            py::arg("shared_down_bias"), py::arg("shared_intermediate"), release())
+      .def("set_all_reduce", &FusedNemotronDecoder::set_all_reduce)
       .def("forward", &FusedNemotronDecoder::forward, py::arg("x"), py::arg("slot_mapping"), py::arg("block_ids"),
            py::arg("kv_offsets"), py::arg("kv_lens"), py::arg("block_size"), py::arg("state_slots"),
            py::arg("snapshot_rows"), py::arg("snapshot_offsets"), py::arg("snapshot_ids"), release());

@@ -1,4 +1,5 @@
 #pragma once
+#include "all_reduce_hook.h"
 // A decode step of NemotronH (Mamba2 layers, NoPE GQA attention, squared-ReLU MLPs and
 // sigmoid-routed MoE with a shared expert, one mixer per layer) in one call, as hybrid_decode.h
 // does for Qwen3-Next: every layer's norm, packed linears, causal conv, SSM step, KV write, paged
@@ -76,6 +77,12 @@ class FusedNemotronDecoder {
                         const std::vector<int64_t>& state_slots, const std::vector<int64_t>& snapshot_rows,
                         const std::vector<int64_t>& snapshot_offsets, const std::vector<int64_t>& snapshot_ids);
 
+  // Tensor parallel: sums each row-parallel output over the ranks (all_reduce_hook.h).
+  void set_all_reduce(pybind11::object fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    all_reduce_.set(std::move(fn));
+  }
+
  private:
   struct Step {
     const std::vector<torch::Tensor>& slot_mapping;
@@ -106,6 +113,7 @@ class FusedNemotronDecoder {
   int64_t num_state_slots_ = std::numeric_limits<int64_t>::max();
   int64_t num_checkpoints_ = std::numeric_limits<int64_t>::max();
   std::vector<int64_t> group_slots_;  // per KV group, the fewest slots of its layers' caches
+  AllReduceHook all_reduce_;
   mutable std::mutex mu_;
 };
 

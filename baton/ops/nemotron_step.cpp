@@ -73,6 +73,7 @@ torch::Tensor FusedNemotronDecoder::forward(const torch::Tensor& x_in, const std
         x = moe(l, h);
         break;
     }
+    all_reduce_(x);  // every mixer ends in a row-parallel projection
   }
   return layers_.empty() ? rms_norm(residual, c10::nullopt, final_norm_, eps_, 0.0)
                          : rms_norm(x, residual, final_norm_, eps_, 0.0);
@@ -113,6 +114,7 @@ torch::Tensor FusedNemotronDecoder::moe(NemotronLayer& l, const torch::Tensor& h
   const torch::Tensor xe = l.fc1.defined() ? packed_linear(h, l.fc1, l.fc1_bias, l.width) : h;
   torch::Tensor out = moe_experts_by(xe, routing, static_cast<int64_t>(l.expert_up.size()),
                                      [&](int64_t e, const torch::Tensor& rows) {
+                                       if (l.expert_up[e].numel() == 0) return torch::Tensor();  // elsewhere
                                        return relu2_mlp(rows, l.expert_up[e], c10::nullopt, l.expert_down[e],
                                                         c10::nullopt, l.moe_intermediate, l.width);
                                      });

@@ -18,7 +18,6 @@ from torch import nn
 
 from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor
 from baton.models.layers import BlockEmbedding
-from baton.models.llama import LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
 from baton.parallel.comm import TPGroup
 
@@ -118,6 +117,8 @@ class Sharder:
 class RowParallel(nn.Module):
     """A module whose output is this rank's partial sum: summed over the ranks after it."""
 
+    sums_over_ranks = True  # models/layers.py's unwrapped() finds `inner` by it
+
     def __init__(self, inner: nn.Module, tp: TPGroup) -> None:
         super().__init__()
         self.inner, self.tp = inner, tp
@@ -185,8 +186,6 @@ def shard_model(model: nn.Module, cfg: TextModelConfig, tp: TPGroup) -> TextMode
         for k, v in sharder.blocks.items()
     }
     model.cfg, model.tp = local, tp
-    if type(model).forward is not LlamaForCausalLM.forward:  # its own one-call decode step sums nothing
-        model.fused_decode = False
     return local
 
 
