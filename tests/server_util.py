@@ -55,3 +55,26 @@ class ServerProcess:
         if not found:
             raise KeyError(name)
         return total
+
+
+class RouterProcess:
+    """`baton router ARGS` as a real process, healthy (a worker up) when this returns."""
+
+    def __init__(self, *args: str, timeout: float = 60.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "baton.cli", "router", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                if requests.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                time.sleep(0.2)
+        self.proc.kill()
+        raise RuntimeError("router did not start")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=30)

@@ -10,13 +10,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import requests
 
 from baton.bench.procs import process_tree, wait_healthy
-from tests.server_util import ServerProcess, free_port
+from tests.server_util import RouterProcess, ServerProcess, free_port
 
 PROMPTS = [
     "Hi",  # shorter than a block
@@ -29,39 +28,9 @@ KEY = "pd-test-key"  # every process runs with --api-key; the kv secret defaults
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-class RouterProcess:
-    def __init__(self, prefill: list[str], decode: list[str], span_format: str = "grouped") -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "baton.cli",
-            "router",
-            "--port",
-            str(self.port),
-            "--decode",
-            *decode,
-            "--span-format",
-            span_format,
-            "--api-key",
-            KEY,
-        ]
-        if prefill:
-            cmd += ["--prefill", *prefill]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if requests.get(f"{self.base_url}/health", timeout=1).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                time.sleep(0.3)
-        raise RuntimeError("router did not start")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=30)
+def pd_router(prefill: list[str], decode: list[str], span_format: str = "grouped") -> RouterProcess:
+    args = ["--decode", *decode, "--span-format", span_format, "--api-key", KEY]
+    return RouterProcess(*args, *(["--prefill", *prefill] if prefill else []))
 
 
 @pytest.fixture(
@@ -74,7 +43,7 @@ def trio(request):
     keyed = ("--model", model, "--api-key", KEY)
     prefill = ServerProcess(*keyed, "--kv-role", "prefill", "--block-size", "16")
     decode = ServerProcess(*keyed, "--kv-role", "decode", "--block-size", "64", "--kv-layout", "HND")
-    router = RouterProcess([prefill.base_url], [decode.base_url], span_format)
+    router = pd_router([prefill.base_url], [decode.base_url], span_format)
     router.model = model
     yield prefill, decode, router
     router.stop()
@@ -181,7 +150,7 @@ def test_killing_the_prefill_worker_never_hangs_a_request(trio):
     prefill, decode, trio_router = trio
     if trio_router.model != "smollm2-135m":
         pytest.skip("one model is enough to show the fallback")
-    router = RouterProcess([prefill.base_url], [decode.base_url])  # its own router: the trio's stays intact
+    router = pd_router([prefill.base_url], [decode.base_url])  # its own router: the trio's stays intact
     expected = _complete(decode.base_url, PROMPTS[2], max_tokens=24)
     results: list = []
 

@@ -4,10 +4,7 @@ conversations that hit the workers' prefix caches, workers joining and leaving, 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,7 +18,7 @@ from baton.router.proxy import Router
 from baton.router.settings import RouterSettings
 from baton.router.stream import is_preamble, usage_chunk
 from baton.router.workers import Worker, WorkerSet, normalize_url
-from tests.server_util import ServerProcess, free_port
+from tests.server_util import RouterProcess, ServerProcess, free_port
 
 # ---- the index ------------------------------------------------------------------------------------
 
@@ -157,21 +154,9 @@ SYSTEMS = {
 }
 
 
-class RouterProcess:
+class KeyedRouter(RouterProcess):
     def __init__(self, *args: str) -> None:
-        self.base_url = f"http://127.0.0.1:{free_port()}"
-        port = self.base_url.rsplit(":", 1)[1]
-        cmd = [sys.executable, "-m", "baton.cli", "router", "--port", port, "--api-key", KEY, *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if requests.get(f"{self.base_url}/health", timeout=1).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                time.sleep(0.2)
-        self.proc.kill()
-        raise RuntimeError("router did not start")
+        super().__init__("--api-key", KEY, *args)
 
     def workers(self) -> dict[str, dict]:
         r = requests.get(f"{self.base_url}/v1/router/workers", headers=AUTH, timeout=10)
@@ -187,7 +172,7 @@ class RouterProcess:
 @pytest.fixture(scope="module")
 def cluster():
     workers = [ServerProcess(*WORKER_ARGS) for _ in range(2)]
-    router = RouterProcess(
+    router = KeyedRouter(
         "--workers", *(w.base_url for w in workers), "--health-interval-s", "0.5", "--max-workers", "2"
     )
     yield router, {w.base_url: w for w in workers}
@@ -198,7 +183,7 @@ def cluster():
             w.terminate()
 
 
-def _ask(router: RouterProcess, tenant: str, turns: list[str], stream: bool = False, **extra) -> tuple[str, str, dict]:
+def _ask(router: KeyedRouter, tenant: str, turns: list[str], stream: bool = False, **extra) -> tuple[str, str, dict]:
     """(the worker that served it, the answer, the usage the client saw or {})."""
     before = {u: w["requests"] for u, w in router.workers().items()}
     body = {**_chat(SYSTEMS[tenant], *turns), "max_tokens": 8, "temperature": 0, "stream": stream, **extra}
