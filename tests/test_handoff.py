@@ -262,7 +262,9 @@ def test_wire_round_trip_is_exact(smollm2):
     assert struct.unpack_from("<I", blob, 8)[0] == len(json.dumps(header, separators=(",", ":")).encode())
 
 
-@pytest.mark.parametrize("model, block_size, n", [("smollm2", 128, 40), ("gemma3", 1024, 600)])
+@pytest.mark.parametrize(
+    "model, block_size, n", [("smollm2", 128, 40), pytest.param("gemma3", 1024, 600, marks=pytest.mark.slow)]
+)
 def test_single_block_decode_worker(model, block_size, n, request):
     """A decode worker whose whole KV budget is one block per group, one request at a time."""
     prefill: LLM = request.getfixturevalue(model)

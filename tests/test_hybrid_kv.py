@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from baton import LLM, SamplingParams
 from baton.kv.manager import NULL_BLOCK
 from tests.conftest import _words
@@ -28,6 +30,7 @@ def test_prefix_hit_on_shared_900_token_prefix(gemma3):
     assert gemma3.engine.kv.all_free()
 
 
+@pytest.mark.slow
 def test_sliding_memory_is_bounded_by_the_window(gemma3):
     engine = gemma3.engine
     bs = engine.kv.block_size

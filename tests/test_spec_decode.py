@@ -78,6 +78,7 @@ def test_speculative_config_errors_name_the_problem():
         LLM("smollm2-135m", progress=False, speculative_config={"method": "mtp"})
 
 
+@pytest.mark.slow  # other exactness cases stay in the default suite
 def test_greedy_ngram_is_exact_batched_chunked_and_on_prefix_hits(smollm2, smollm2_ngram):
     prompts = _ids(smollm2, GROUNDED + PROMPTS[:3])
     expected = [_tokens(smollm2, [p])[0] for p in prompts]
