@@ -16,7 +16,7 @@ from baton.kv.memory import CacheMemory
 from baton.kv.spec import KVSpec
 from baton.models.loader import LoadedModel
 from baton.parallel.ranks import Ranks
-from baton.parallel.shard import kv_head_shares, state_channels
+from baton.parallel.shard import split_caches
 
 _PROCESS_KV_SECRET = os.urandom(32)
 
@@ -34,11 +34,9 @@ class KVHandoff:
         self.heads_spec: KVSpec | None = None
         self.read = self.read_state = None
         if ranks is not None:
-            shares = kv_head_shares(mc, ranks.tp.size)
-            self.storage.kv_heads = shares[ranks.tp.rank]
-            self.states.channels = state_channels(loaded.model, memory.spec)
-            self.heads_spec = KVSpec.build(mc.layer_kinds, mc.num_kv_heads, mc.head_dim, config.cache.block_size)
-            self.read = ranks.kv_reader(self.storage, config.cache.block_size, shares, mc.num_kv_heads)
+            split = split_caches(loaded.model, mc, self.storage, self.states, ranks.tp, config.cache.block_size)
+            self.heads_spec = split.whole_spec
+            self.read = ranks.kv_reader(self.storage, config.cache.block_size, split.shares, mc.num_kv_heads)
             self.read_state = ranks.state_reader(self.states, self.heads_spec)
 
     def plan(self, blob: bytes, expected_tokens: list[int] | None) -> ImportPlan:

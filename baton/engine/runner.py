@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -203,20 +204,19 @@ class ModelRunner:
                     "groups": [self._group_metadata(g, sub) for g in self.kv.spec.groups],
                     "state_meta": self._state_metadata(sub),
                     "logit_rows": torch.tensor(rows, dtype=torch.long) if len(rows) < n else None,
-                    "num_logit_rows": len(rows),
-                    "vocab_size": self.model.cfg.vocab_size,
                 }
             )
             row += n
         self.ranks.send({"op": "pipeline", "steps": steps, "journal": self._take_journal()})
-        return torch.cat(run_stage(self.model, stage, steps, self.forward_step))
+        forward = partial(forward_step, self.model, self.storage, self.states)
+        return torch.cat(run_stage(self.model, stage, steps, forward))
 
-    def forward_step(self, step: dict) -> torch.Tensor:
-        return self.model(
-            step["input_ids"],
-            step["positions"],
-            ForwardContext(self.storage, step["groups"], self.states, step["state_meta"]),
-        )
+
+def forward_step(model: torch.nn.Module, storage: KVStorage, states: StateStorage, step: dict) -> torch.Tensor:
+    """The model on one step's (or micro-batch's) metadata as the driver sends it to every rank."""
+    return model(
+        step["input_ids"], step["positions"], ForwardContext(storage, step["groups"], states, step["state_meta"])
+    )
 
 
 KV_TILE = 1024  # context positions one prefill attention call reads (at least the chunk's length)

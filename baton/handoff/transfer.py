@@ -123,7 +123,7 @@ def apply_import(
     written = []
     for w in plan.writes:
         slots = _slots(kv, request_id, w.group_id, w.positions)
-        write_group(kv.spec.groups[w.group_id].layer_ids, storage, kv.block_size, slots, w.k, w.v, storage.kv_heads)
+        write_group(kv.spec.groups[w.group_id].layer_ids, storage, kv.block_size, slots, w.k, w.v)
         written.append((w.group_id, slots, w.k, w.v))
     return written
 
@@ -135,9 +135,9 @@ def write_group(
     slots: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    heads: range | None,
 ) -> None:
-    """K and V [layers, T, every head, dim] into a group's layers; `heads`: this rank's share."""
+    """K and V [layers, T, every head, dim] into a group's layers (this rank's heads of them)."""
+    heads = storage.kv_heads
     if heads is not None:
         k, v = k[:, :, heads.start : heads.stop], v[:, :, heads.start : heads.stop]
     for i, layer_id in enumerate(layer_ids):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 import torch
@@ -59,7 +60,7 @@ def decode(header: bytes, payload: torch.Tensor) -> Any:
     tensors = []
     for dtype, shape, offset in doc["tensors"]:
         dt = _DTYPES[dtype]
-        n = dt.itemsize * _numel(shape)
+        n = dt.itemsize * math.prod(shape)
         tensors.append(payload[offset : offset + n].clone().view(dt).view(shape))
 
     def walk(x: Any) -> Any:
@@ -76,13 +77,6 @@ def decode(header: bytes, payload: torch.Tensor) -> Any:
         return _CLASSES[x["c"]](**{k: walk(v) for k, v in x["f"].items()})
 
     return walk(doc["body"])
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def broadcast(tree: Any | None, src: int = 0) -> Any:

@@ -119,13 +119,19 @@ def micro_batches(scheduled: list[ScheduledRequest], count: int) -> list[list[Sc
     return [mb for mb in out if mb]
 
 
+def num_logit_rows(step: dict) -> int:
+    """`logit_rows`: the rows whose logits the step wants, None for every row."""
+    rows = step["logit_rows"]
+    return step["input_ids"].shape[0] if rows is None else rows.numel()
+
+
 def run_stage(model: nn.Module, stage: Stage, steps: list[dict], forward) -> list[torch.Tensor]:
     """Every micro-batch through this stage, in order: receive, run, send on. `forward(step)` runs
     the model on one micro-batch's metadata. The last stage returns each micro-batch's logits (and
     sends them to the driver); the driver returns them as received; other ranks return []."""
     sends = []
     logits: list[torch.Tensor] = []
-    hidden_size = model.cfg.hidden_size
+    hidden_size, vocab = model.cfg.hidden_size, model.cfg.vocab_size
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
     for step in steps:
         n = step["input_ids"].shape[0]
@@ -139,8 +145,8 @@ def run_stage(model: nn.Module, stage: Stage, steps: list[dict], forward) -> lis
             sends.append((hidden, dist.isend(hidden, stage.peer(stage.index + 1))))
             continue
         rows = step["logit_rows"]
-        if step["num_logit_rows"] == 0:
-            logits.append(torch.empty((0, step["vocab_size"])))
+        if num_logit_rows(step) == 0:
+            logits.append(torch.empty((0, vocab)))
             continue
         out = model.compute_logits(hidden if rows is None else hidden[rows]).float().contiguous()
         if stage.tp.rank == 0 and not stage.is_first:
@@ -150,7 +156,7 @@ def run_stage(model: nn.Module, stage: Stage, steps: list[dict], forward) -> lis
         work.wait()
     if stage.is_first and not stage.is_last and stage.tp.rank == 0:  # the driver: logits from the last stage
         for step in steps:
-            n, vocab = step["num_logit_rows"], step["vocab_size"]
+            n = num_logit_rows(step)
             out = torch.empty((n, vocab), dtype=torch.float32)
             logits.append(out)
             if n == 0:

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.kv.spec import KVSpec
+from baton.kv.state import StateStorage
+from baton.kv.storage import KVStorage
 from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor
 from baton.models.layers import BlockEmbedding
 from baton.models.model_config import TextModelConfig
@@ -50,21 +54,25 @@ def head_split(num_heads: int, num_kv_heads: int, size: int, rank: int) -> tuple
     return range(kv_head * group + q.start, kv_head * group + q.stop), range(kv_head, kv_head + 1)
 
 
-def kv_head_shares(cfg: TextModelConfig, size: int) -> list[range]:
-    """Each rank's KV heads of the attention layers (what a KV span's heads split into)."""
-    return [head_split(cfg.num_heads, cfg.num_kv_heads, size, r)[1] for r in range(size)]
+@dataclass
+class CacheSplit:
+    """How a KV span's heads and state channels map onto the ranks (what the handoff needs)."""
+
+    shares: list[range]  # each rank's KV heads of the attention layers
+    whole_spec: KVSpec  # the whole model's KV spec: what a span carries and is validated against
 
 
-def state_channels(model: nn.Module, spec) -> list[list[torch.Tensor]] | None:
-    """Per state group and tensor, the model's channels this rank holds (from shard_model)."""
+def split_caches(
+    model: nn.Module, whole: TextModelConfig, storage: KVStorage, states: StateStorage, tp: TPGroup, block_size: int
+) -> CacheSplit:
+    """Tell this rank's KV and state storage which of the model's heads and state channels they
+    hold (from shard_model), and return the split."""
+    shares = [head_split(whole.num_heads, whole.num_kv_heads, tp.size, r)[1] for r in range(tp.size)]
+    storage.kv_heads = shares[tp.rank]
     channels = getattr(model, "state_channels", None)
-    if not spec.has_state or channels is None:
-        return None
-    return [channels[g.layer_ids[0]] for g in spec.state_groups]
-
-
-def _rows(heads: range, head_dim: int, offset: int = 0) -> torch.Tensor:
-    return torch.arange(offset + heads.start * head_dim, offset + heads.stop * head_dim)
+    if storage.spec.has_state and channels is not None:
+        states.channels = [channels[g.layer_ids[0]] for g in storage.spec.state_groups]
+    return CacheSplit(shares, KVSpec.build(whole.layer_kinds, whole.num_kv_heads, whole.head_dim, block_size))
 
 
 class Sharder:

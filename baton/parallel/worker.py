@@ -11,21 +11,22 @@ import logging
 import signal
 import subprocess
 import sys
+from functools import partial
 
 import torch
 
 from baton.config import EngineConfig
 from baton.engine.model_setup import load_rank_model
+from baton.engine.runner import forward_step
 from baton.handoff.transfer import read_group, write_group
 from baton.kv.spec import KVSpec
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.llama import ForwardContext
 from baton.parallel import messages
 from baton.parallel.comm import destroy_process_group, init_process_group
 from baton.parallel.pipeline import run_stage
 from baton.parallel.ranks import reduce_state, spawn_ranks
-from baton.parallel.shard import kv_head_shares, state_channels
+from baton.parallel.shard import split_caches
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,6 @@ def run_rank(config: EngineConfig, rank: int) -> None:
     kv_dtype = getattr(torch, config.cache.kv_torch_dtype_name(config.model.torch_dtype_name))
     layers = rank_model.stage.layers if rank_model.stage else None  # a pipeline stage keeps only its own
     storage = KVStorage(spec, sizes["num_blocks"], kv_dtype, sizes["kv_layout"], layers=layers)
-    whole = rank_model.loaded.config  # the model's, where `local` is this rank's share
-    shares = kv_head_shares(whole, tp.size)
-    storage.kv_heads = shares[tp.rank]
-    full_spec = KVSpec.build(whole.layer_kinds, whole.num_kv_heads, whole.head_dim, config.cache.block_size)
-    read = read_group(storage, spec.block_size)
     states = StateStorage(
         spec,
         sizes["num_state_slots"],
@@ -63,12 +59,10 @@ def run_rank(config: EngineConfig, rank: int) -> None:
         drafts_per_slot=sizes["drafts_per_slot"],
         layers=layers,
     )
-
-    states.channels = state_channels(model, spec)
-
-    def forward(step: dict) -> torch.Tensor:
-        ctx = ForwardContext(storage, step["groups"], states, step["state_meta"])
-        return model(step["input_ids"], step["positions"], ctx)
+    whole = rank_model.loaded.config  # the model's, where `local` is this rank's share
+    split = split_caches(model, whole, storage, states, tp, config.cache.block_size)
+    read = read_group(storage, spec.block_size)
+    forward = partial(forward_step, model, storage, states)
 
     with torch.inference_mode():
         while True:
@@ -78,18 +72,16 @@ def run_rank(config: EngineConfig, rank: int) -> None:
             if step["op"] == "read_kv":  # an export: this rank's heads, gathered on the driver
                 for _, t, scale in read(step["group"], step["slots"]):
                     for x in (t, scale) if scale is not None else (t,):
-                        tp.gather_heads(x, shares, whole.num_kv_heads)
+                        tp.gather_heads(x, split.shares, whole.num_kv_heads)
                 continue
             if step["op"] == "read_state":
-                reduce_state(tp, states, full_spec, step["slot"])
+                reduce_state(tp, states, split.whole_spec, step["slot"])
                 continue
             if step["op"] == "write_kv":  # an import the driver validated and wrote its heads of
                 for group_id, j, slot, values in step["states"]:
                     states.write_state(slot, group_id, j, values)
                 for group_id, slots, k, v in step["groups"]:
-                    write_group(
-                        spec.groups[group_id].layer_ids, storage, spec.block_size, slots, k, v, storage.kv_heads
-                    )
+                    write_group(spec.groups[group_id].layer_ids, storage, spec.block_size, slots, k, v)
                 continue
             if step["op"] == "pipeline":
                 states.replay(step["journal"])
@@ -98,8 +90,7 @@ def run_rank(config: EngineConfig, rank: int) -> None:
             if step["op"] != "forward":
                 raise ValueError(f"rank {rank}: unknown command {step['op']!r}")
             states.replay(step["journal"])
-            ctx = ForwardContext(storage, step["groups"], states, step["state_meta"])
-            hidden = model(step["input_ids"], step["positions"], ctx)
+            hidden = forward(step)
             if step["logit_rows"] is not None:
                 hidden = hidden[step["logit_rows"]]
             model.compute_logits(hidden)  # this rank's vocabulary share, gathered on every rank
