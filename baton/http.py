@@ -1,4 +1,5 @@
-"""What the API server and the PD router share: OpenAI-shaped errors and the key and size guard."""
+"""What the API server and the router share: OpenAI-shaped errors, the key and size guard, the
+hang-up watch, and bounded reads of another server's answer."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import asyncio
 import hmac
 from collections.abc import Awaitable, Callable
 
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 INTERNAL_PREFIX = "/v1/internal/"
+ADMIN_PREFIX = "/v1/router/"  # the router's worker set: a privilege apart from the client API key
+KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what the API key guards (/health and /metrics stay open)
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
@@ -81,8 +85,9 @@ def _key_matches(headers: dict[bytes, bytes], key: str) -> bool:
 
 class Guard:
     """Pure ASGI middleware: 401 without the right key, 413 for bodies over the limit (declared or
-    streamed). Public /v1 routes take `api_key`; internal routes (/v1/internal/...) take
-    `internal_key` and are refused outright when there is none."""
+    streamed). Public /v1 routes and /tokenize, /detokenize take `api_key`; internal routes
+    (/v1/internal/...) take `internal_key` and are refused outright when there is none; the
+    router's admin routes (/v1/router/...) take `admin_key` alone."""
 
     def __init__(
         self,
@@ -91,8 +96,9 @@ class Guard:
         api_key: str | None,
         internal_key: str | None = None,
         limits: dict[str, int] | None = None,
+        admin_key: str | None = None,
     ) -> None:
-        self.app, self.api_key, self.internal_key = app, api_key, internal_key
+        self.app, self.api_key, self.internal_key, self.admin_key = app, api_key, internal_key, admin_key
         self.limits = limits or {}
         self.default_limit = max_bytes
 
@@ -106,7 +112,12 @@ class Guard:
                 return await error_response(401, "internal route: missing or wrong kv secret", "authentication_error")(
                     scope, receive, send
                 )
-        elif self.api_key and path.startswith("/v1") and not _key_matches(headers, self.api_key):
+        elif self.admin_key is not None and path.startswith(ADMIN_PREFIX):
+            if not _key_matches(headers, self.admin_key):
+                return await error_response(401, "admin route: missing or wrong admin key", "authentication_error")(
+                    scope, receive, send
+                )
+        elif self.api_key and path.startswith(KEYED_PATHS) and not _key_matches(headers, self.api_key):
             return await error_response(401, "invalid or missing API key", "authentication_error")(scope, receive, send)
         max_bytes = self.limits.get(path, self.default_limit)
         declared = headers.get(b"content-length")
@@ -156,3 +167,18 @@ async def unless_hung_up(request: Request, work: Awaitable, streaming: bool):
     if task.cancelled():
         return error_response(499, "the client closed the connection")
     return task.result()
+
+
+class UpstreamTooLarge(aiohttp.ClientPayloadError):
+    """A worker's answer (or one event of its stream) passed the router's bound."""
+
+
+async def read_bounded(upstream: aiohttp.ClientResponse, max_bytes: int, idle_s: float) -> bytes:
+    """A whole body of at most `max_bytes`, each read within `idle_s` (asyncio.TimeoutError)."""
+    parts, n = [], 0
+    while chunk := await asyncio.wait_for(upstream.content.readany(), idle_s):
+        n += len(chunk)
+        if n > max_bytes:
+            raise UpstreamTooLarge(f"an answer of more than {max_bytes} bytes")
+        parts.append(chunk)
+    return b"".join(parts)

@@ -147,6 +147,8 @@ def test_stream_helpers_know_the_preamble_and_the_usage_chunk():
 
 KEY = "router-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN = "router-test-admin-key"  # the worker set is the admin's (tests/test_router_admin.py)
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
 WORKER_ARGS = ("--model", "smollm2-135m", "--api-key", KEY, "--max-model-len", "512", "--num-kv-blocks", "64")
 SYSTEMS = {
     "acme": "You are the support assistant of Acme Umbrellas. Answer in one short sentence. " * 8,
@@ -156,10 +158,10 @@ SYSTEMS = {
 
 class KeyedRouter(RouterProcess):
     def __init__(self, *args: str) -> None:
-        super().__init__("--api-key", KEY, *args)
+        super().__init__("--api-key", KEY, "--admin-key", ADMIN, *args)
 
     def workers(self) -> dict[str, dict]:
-        r = requests.get(f"{self.base_url}/v1/router/workers", headers=AUTH, timeout=10)
+        r = requests.get(f"{self.base_url}/v1/router/workers", headers=ADMIN_AUTH, timeout=10)
         assert r.status_code == 200, r.text
         return {w["url"]: w for w in r.json()["data"]}
 
@@ -227,7 +229,8 @@ def test_workers_join_and_leave_at_run_time(cluster):
     router, procs = cluster
     url = f"{router.base_url}/v1/router/workers"
     one, other = procs
-    assert requests.get(url, timeout=10).status_code == 401  # the admin routes are behind the key
+    assert requests.get(url, timeout=10).status_code == 401  # the admin routes are behind the admin key
+    assert requests.get(url, headers=AUTH, timeout=10).status_code == 401
     for data, status in (
         (b"{not json", 400),
         (b"[]", 400),
@@ -236,17 +239,17 @@ def test_workers_join_and_leave_at_run_time(cluster):
         (json.dumps({"url": one}), 409),
         (json.dumps({"url": "http://127.0.0.1:1"}), 400),  # the limit of 2 comes first
     ):
-        r = requests.post(url, data=data, headers=AUTH, timeout=10)
+        r = requests.post(url, data=data, headers=ADMIN_AUTH, timeout=10)
         assert r.status_code == status and r.json()["error"]["message"], (data, r.text)
-    r = requests.delete(url, json={"url": other + "/"}, headers=AUTH, timeout=10)
+    r = requests.delete(url, json={"url": other + "/"}, headers=ADMIN_AUTH, timeout=10)
     assert r.status_code == 200 and list(router.workers()) == [one]
-    assert requests.delete(url, json={"url": other}, headers=AUTH, timeout=10).status_code == 404
+    assert requests.delete(url, json={"url": other}, headers=ADMIN_AUTH, timeout=10).status_code == 404
     served, _, _ = _ask(router, "globex", ["Hello?"])
     assert served == one
     dead = f"http://127.0.0.1:{free_port()}"
-    r = requests.post(url, json={"url": dead}, headers=AUTH, timeout=30)
+    r = requests.post(url, json={"url": dead}, headers=ADMIN_AUTH, timeout=30)
     assert r.status_code == 400 and "not healthy" in r.json()["error"]["message"]
-    r = requests.post(url, json={"url": other}, headers=AUTH, timeout=30)
+    r = requests.post(url, json={"url": other}, headers=ADMIN_AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["up"] is True
     assert set(router.workers()) == {one, other}
 

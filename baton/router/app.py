@@ -11,7 +11,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from baton.http import APIError, Guard, error_response, install_error_handlers, unless_hung_up
+from baton.http import (
+    ADMIN_PREFIX,
+    APIError,
+    Guard,
+    error_response,
+    install_error_handlers,
+    read_bounded,
+    unless_hung_up,
+)
 from baton.router.metrics import RouterCollector
 from baton.router.proxy import Router
 
@@ -27,7 +35,12 @@ async def _url_of(request: Request) -> object:
     return body["url"]
 
 
-def build_router_app(router: Router, api_key: str | None = None, max_request_bytes: int = 4 << 20) -> FastAPI:
+def build_router_app(
+    router: Router, api_key: str | None = None, max_request_bytes: int = 4 << 20, admin_key: str | None = None
+) -> FastAPI:
+    """The worker-set routes exist only with an `admin_key`, and take that key alone: a tenant's
+    API key cannot add the host that would then receive other tenants' prompts and the KV secret."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.start()
@@ -54,26 +67,30 @@ def build_router_app(router: Router, api_key: str | None = None, max_request_byt
         for worker in router.workers.up():
             try:
                 timeout = aiohttp.ClientTimeout(total=10)
-                async with router.session.get(f"{worker.url}/v1/models", headers=headers, timeout=timeout) as r:
-                    return Response(await r.read(), status_code=r.status, media_type="application/json")
+                url = f"{worker.url}/v1/models"
+                async with router.session.get(url, headers=headers, timeout=timeout, allow_redirects=False) as r:
+                    data = await read_bounded(r, 1 << 20, 10)
+                    return Response(data, status_code=r.status, media_type="application/json")
             except (aiohttp.ClientError, TimeoutError):
                 continue
         return error_response(503, "no healthy worker")
 
-    @app.get("/v1/router/workers")
-    async def list_workers():
-        return {"object": "list", "policy": router.settings.policy, "data": [w.stats() for w in router.workers]}
+    if admin_key is not None:
 
-    @app.post("/v1/router/workers")
-    async def add_worker(request: Request):
-        """Join a worker: it takes traffic once its /health answered 200 (checked here first)."""
-        worker = await router.workers.add(await _url_of(request))
-        return worker.stats()
+        @app.get(ADMIN_PREFIX + "workers")
+        async def list_workers():
+            return {"object": "list", "policy": router.settings.policy, "data": [w.stats() for w in router.workers]}
 
-    @app.delete("/v1/router/workers")
-    async def remove_worker(request: Request):
-        """Out of routing at once; requests already on it finish there."""
-        return {"url": router.workers.remove(await _url_of(request)), "removed": True}
+        @app.post(ADMIN_PREFIX + "workers")
+        async def add_worker(request: Request):
+            """Join a worker on an allowed host: it takes traffic once its /health answered 200."""
+            worker = await router.workers.add(await _url_of(request))
+            return worker.stats()
+
+        @app.delete(ADMIN_PREFIX + "workers")
+        async def remove_worker(request: Request):
+            """Out of routing at once; requests already on it finish there."""
+            return {"url": router.workers.remove(await _url_of(request)), "removed": True}
 
     @app.get("/health")
     async def health():
@@ -83,5 +100,5 @@ def build_router_app(router: Router, api_key: str | None = None, max_request_byt
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(Guard, max_bytes=max_request_bytes, api_key=api_key)
+    app.add_middleware(Guard, max_bytes=max_request_bytes, api_key=api_key, admin_key=admin_key)
     return app

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 import aiohttp
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
 
 from baton.handoff.remote_prefill import RemotePrefill
-from baton.http import error_response
+from baton.http import error_response, read_bounded
 from baton.router.policy import make_policy
 from baton.router.prefix_index import chunk_hashes, request_text
 from baton.router.settings import RouterSettings
@@ -28,6 +30,7 @@ from baton.router.stream import (
     usage_of_body,
 )
 from baton.router.workers import Lease, Worker, WorkerSet
+from baton.server.protocol import ChatCompletionRequest, CompletionRequest
 
 # what a worker that died or went away looks like from here
 WORKER_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
@@ -88,7 +91,8 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s)
+        self.session = aiohttp.ClientSession(timeout=timeout)
         await self.workers.start(self.session)
 
     async def stop(self) -> None:
@@ -119,12 +123,16 @@ class Router:
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object")
         body.pop("kv_transfer_id", None)  # a client never names a parked span: only this router does
+        try:  # the workers' own model of the fields: "stream": "no" means here what it means there
+            fields = (ChatCompletionRequest if endpoint == "chat" else CompletionRequest).model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
         try:
             text = request_text(endpoint, body)
         except RecursionError:
             return error_response(400, "the body is nested too deeply")
         hashes = chunk_hashes(text, self.settings.chunk_chars, limit=self.settings.index_capacity_chunks)
-        stream = bool(body.get("stream"))
+        stream = fields.stream
         drop_usage = stream and _ask_for_usage(body)
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
@@ -134,7 +142,7 @@ class Router:
             tried.add(worker.url)
             lease = Lease(worker)
             try:
-                sent = self._send(worker, endpoint, path, raw, body, headers, stream)
+                sent = self._send(worker, endpoint, path, raw, body, fields, headers)
                 result = await self._unless_gone(worker, sent)
             except (_WorkerFailed, *WORKER_ERRORS) as e:
                 lease.release()
@@ -172,24 +180,31 @@ class Router:
         return task.result()
 
     async def _send(
-        self, worker: Worker, endpoint: str, path: str, raw: bytes, body: dict, headers: dict, stream: bool
+        self, worker: Worker, endpoint: str, path: str, raw: bytes, body: dict, fields, headers: dict
     ) -> _Answer | _OpenStream:
-        """A whole answer, or a stream opened up to its first event with content."""
+        """A whole answer, or a stream opened up to its first event with content; a worker slower
+        than the settings' timeouts, or answering more than their bounds, failed (WORKER_ERRORS)."""
+        s = self.settings
         if self.prefill is not None:
-            transfer_id = await self.prefill.park(self.session, endpoint, raw, body, worker.url)
+            transfer_id = await self.prefill.park(self.session, endpoint, raw, fields, worker.url)
             if transfer_id:
                 body = {**body, "kv_transfer_id": transfer_id}
-        upstream = await self.session.post(f"{worker.url}{path}", json=body, headers=headers)
+        # never redirected: the client's key and prompt go only to the worker the router chose
+        post = self.session.post(f"{worker.url}{path}", json=body, headers=headers, allow_redirects=False)
+        upstream = await asyncio.wait_for(post, s.first_byte_timeout_s)
+        if 300 <= upstream.status < 400:
+            upstream.close()
+            raise _WorkerFailed(f"answered a redirect ({upstream.status})")
         try:
-            if stream and upstream.status == 200:
-                events = sse_events(upstream)
+            if fields.stream and upstream.status == 200:
+                events = sse_events(upstream, s.max_response_bytes, s.first_byte_timeout_s, s.idle_timeout_s)
                 held = []
                 async for event in events:
                     held.append(event)
                     if not is_preamble(event):
                         break
                 return _OpenStream(upstream, events, held)
-            data = await upstream.read()
+            data = await read_bounded(upstream, s.max_response_bytes, s.idle_timeout_s)
         except BaseException:
             upstream.close()  # also a client's hang-up: the closed connection aborts the request upstream
             raise

@@ -48,6 +48,20 @@ class RouterSettings:
     health_timeout_s: float = field(default=5.0, metadata=_help("a /health check slower than this failed"))
     health_failures: int = field(default=2, metadata=_help("consecutive failed checks before a worker is marked down"))
     max_workers: int = field(default=64, metadata=_help("the most workers the router holds"))
+    connect_timeout_s: float = field(default=5.0, metadata=_help("connecting to a worker slower than this failed"))
+    first_byte_timeout_s: float = field(
+        default=600.0,
+        metadata=_help(
+            "a worker's answer (a whole one, or a stream's first token) later than this failed: the request "
+            "moves to another worker"
+        ),
+    )
+    idle_timeout_s: float = field(
+        default=120.0, metadata=_help("a stream silent for longer than this after its first token failed")
+    )
+    max_response_bytes: int = field(
+        default=64 << 20, metadata=_help("a worker's answer (or one stream event) larger than this failed")
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -64,6 +78,10 @@ class RouterSettings:
             raise ValueError("health_interval_s and health_timeout_s must be positive, health_failures >= 1")
         if not 1 <= self.max_workers <= 4096:
             raise ValueError(f"max_workers must be in [1, 4096], got {self.max_workers}")
+        if not (self.connect_timeout_s > 0 and self.first_byte_timeout_s > 0 and self.idle_timeout_s > 0):
+            raise ValueError("connect_timeout_s, first_byte_timeout_s and idle_timeout_s must be positive")
+        if self.max_response_bytes < 1024:
+            raise ValueError(f"max_response_bytes must be at least 1024, got {self.max_response_bytes}")
 
     @property
     def index_capacity_chunks(self) -> int:

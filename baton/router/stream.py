@@ -4,22 +4,33 @@ its first token can still move to another worker)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
 import aiohttp
 
+from baton.http import UpstreamTooLarge
+
 _PREAMBLE_DELTA = {"role": "assistant", "content": ""}
 
 
-async def sse_events(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The body's events, each whole with its blank-line terminator, as soon as each is complete."""
+async def sse_events(
+    upstream: aiohttp.ClientResponse, max_event_bytes: int, first_s: float, idle_s: float
+) -> AsyncIterator[bytes]:
+    """The body's events, each whole with its blank-line terminator, as soon as each is complete.
+    Until an event other than a chat preamble arrived, each read may take `first_s` (the prefill);
+    after it, `idle_s`. An event larger than `max_event_bytes` is UpstreamTooLarge."""
     buf = b""
-    async for chunk in upstream.content.iter_any():
+    started = False
+    while chunk := await asyncio.wait_for(upstream.content.readany(), idle_s if started else first_s):
         buf += chunk
         *events, buf = buf.split(b"\n\n")
         for event in events:
+            started = started or not is_preamble(event)
             yield event + b"\n\n"
+        if len(buf) > max_event_bytes:
+            raise UpstreamTooLarge(f"a stream event of more than {max_event_bytes} bytes")
     if buf:
         yield buf
 

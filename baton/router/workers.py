@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from baton.http import APIError
+from baton.router.allowed_hosts import AllowedHosts
 from baton.router.prefix_index import PrefixIndex
 from baton.router.settings import RouterSettings
 
@@ -83,8 +84,11 @@ class Worker:
 
 
 class WorkerSet:
-    def __init__(self, settings: RouterSettings, urls: Sequence[str] = ()) -> None:
+    def __init__(
+        self, settings: RouterSettings, urls: Sequence[str] = (), allowed_hosts: AllowedHosts | None = None
+    ) -> None:
         self.settings = settings
+        self.allowed_hosts = allowed_hosts or AllowedHosts.default(urls)  # a worker given at start is allowed
         self._workers: dict[str, Worker] = {}
         for url in urls:
             try:
@@ -119,14 +123,19 @@ class WorkerSet:
             self._checker.cancel()
 
     async def add(self, url: object) -> Worker:
+        """Join a worker on an allowed host once its /health answered 200. Nothing is sent to a host
+        that is not allowed, and a failed probe says nothing of what it found (the admin's logs do)."""
         url = normalize_url(url)
+        if not self.allowed_hosts.allows(urlsplit(url).hostname or ""):
+            raise APIError(403, "the worker's host is not an allowed worker host (--allowed-worker-hosts)", param="url")
         if url in self._workers:
             raise APIError(409, f"worker {url} is already in the set", param="url")
         if len(self._workers) >= self.settings.max_workers:
             raise APIError(400, f"the router holds at most {self.settings.max_workers} workers (--max-workers)")
         problem = await self._probe(url)
         if problem is not None:
-            raise APIError(400, f"worker {url} is not healthy: {problem}", param="url")
+            logger.warning("worker %s was not added: %s", url, problem)
+            raise APIError(400, "the worker is not reachable or not healthy", param="url")
         if url in self._workers:  # added by a concurrent call while this one probed
             raise APIError(409, f"worker {url} is already in the set", param="url")
         worker = Worker(url, self.settings.index_capacity_chunks)
