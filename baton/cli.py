@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import signal
 import sys
+from urllib.parse import urlsplit
 
 from baton.config import (
     CacheConfig,
@@ -17,7 +18,6 @@ from baton.config import (
     ServerConfig,
     SpeculativeConfig,
 )
-from baton.ops import OpsBuildError
 
 _CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
 
@@ -109,12 +109,6 @@ def _generate(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     import logging
 
-    import uvicorn
-
-    from baton.engine.async_engine import AsyncEngine
-    from baton.engine.engine import LLMEngine
-    from baton.server.app import build_app
-
     config = engine_config(args)
     if config.parallel.node_rank > 0:  # another host's ranks: no scheduler, no API here
         from baton.parallel.worker import run_node
@@ -124,10 +118,16 @@ def _serve(args: argparse.Namespace) -> None:
         return
     server = _section(ServerConfig, args)
     server.api_key = server.api_key or config.env.api_key
-    config.env.api_key = server.api_key  # the kv secret defaults to the API key
-    config.internal_key()  # refuse a PD role without a secret now, not after loading the model
+    config.internal_key(server.api_key)  # refuse a PD role without its own secret now, not after loading
+
+    import uvicorn
+
+    from baton.engine.async_engine import AsyncEngine
+    from baton.engine.engine import LLMEngine
+    from baton.server.app import build_app
+
     logging.basicConfig(level=config.env.log_level, format="%(levelname)s %(name)s: %(message)s")
-    async_engine = AsyncEngine(lambda: LLMEngine(config))
+    async_engine = AsyncEngine(lambda: LLMEngine(config), server.stall_timeout_s)
     if async_engine.engine.ranks is not None:
         import os
         import threading
@@ -155,8 +155,9 @@ def _router(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from baton.config import EnvSettings, shared_kv_secret
+    from baton.config import EnvSettings, check_kv_secret
     from baton.handoff.remote_prefill import RemotePrefill
+    from baton.router.allowed_hosts import LOOPBACK, AllowedHosts
     from baton.router.app import build_router_app
     from baton.router.proxy import Router
     from baton.router.settings import RouterSettings
@@ -168,15 +169,24 @@ def _router(args: argparse.Namespace) -> None:
         raise ValueError("--prefill workers need --decode workers")
     env = EnvSettings.read()
     api_key = args.api_key or env.api_key
-    secret = shared_kv_secret(args.kv_secret, env, api_key)
-    if args.prefill and secret is None:
-        raise ValueError("the router needs the workers' kv secret: pass --kv-secret (or BATON_KV_SECRET, or --api-key)")
+    admin_key = args.admin_key or env.router_admin_key
+    secret = check_kv_secret(args.kv_secret or env.kv_secret, api_key, "a PD router") if args.prefill else None
+    if admin_key is not None and admin_key in (api_key, secret):
+        raise ValueError("the admin key must differ from the API key and the kv secret")
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     settings = _section(RouterSettings, args)
-    workers = WorkerSet(settings, args.workers or args.decode or [])
-    prefill = RemotePrefill(args.prefill, args.span_format, kv_secret=secret) if args.prefill else None
+    urls = args.workers or args.decode or []
+    # the workers given here are the operator's own; others may join only on the allowed hosts
+    given = [h for h in (urlsplit(u).hostname for u in urls) if h]
+    allowed = AllowedHosts([*(args.allowed_worker_hosts or LOOPBACK), *given])
+    workers = WorkerSet(settings, urls, allowed)
+    prefill = None
+    if args.prefill:
+        prefill = RemotePrefill(
+            args.prefill, secret, args.span_format, args.max_kv_span_bytes, settings.first_byte_timeout_s
+        )
     router = Router(workers, settings, prefill)
-    app = build_router_app(router, api_key=api_key, max_request_bytes=args.max_request_bytes)
+    app = build_router_app(router, api_key=api_key, max_request_bytes=args.max_request_bytes, admin_key=admin_key)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
 
@@ -279,8 +289,22 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--span-format", choices=["grouped", "dense"], default="grouped")
     router.add_argument("--api-key", default=None, help="clients must send it (or BATON_API_KEY); forwarded to workers")
     router.add_argument(
-        "--kv-secret", default=None, help="the workers' kv secret (or BATON_KV_SECRET, else the API key)"
+        "--kv-secret", default=None, help="PD: the workers' kv secret (or BATON_KV_SECRET); not the API key"
     )
+    router.add_argument(
+        "--admin-key",
+        default=None,
+        help="(or BATON_ROUTER_ADMIN_KEY) guards listing, adding and removing workers; without it those routes "
+        "do not exist",
+    )
+    router.add_argument(
+        "--allowed-worker-hosts",
+        nargs="*",
+        default=None,
+        help="host names and IP networks workers may be added on (default: loopback); the workers given at "
+        "start are always allowed",
+    )
+    router.add_argument("--max-kv-span-bytes", type=int, default=KVTransferConfig.max_kv_span_bytes)
     router.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes)
     from baton.router.settings import RouterSettings
 
@@ -307,7 +331,13 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, TypeError, OpsBuildError) as e:
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"baton: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except Exception as e:
+        ops = sys.modules.get("baton.ops")  # imported only by commands that run a model (torch is slow to load)
+        if ops is None or not isinstance(e, ops.OpsBuildError):
+            raise
         print(f"baton: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -131,6 +131,9 @@ class ServerConfig:
     """Requests queued but not yet running; past it new requests get 503 with Retry-After."""
     max_sequences_per_request: int = 256
     """prompts x n of one request; past it, 400."""
+    stall_timeout_s: float = 60.0
+    """If the engine makes no progress this long while work is pending, /health answers 503 (and
+    baton_engine_stalls_total counts it) until it moves again."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -139,6 +142,8 @@ class ServerConfig:
             raise ValueError("max_request_bytes must be positive")
         if self.max_waiting_requests < 1 or self.max_sequences_per_request < 1:
             raise ValueError("max_waiting_requests and max_sequences_per_request must be positive")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
 
 
 SPEC_METHODS = ("ngram", "draft_model", "mtp")
@@ -216,19 +221,27 @@ class KVTransferConfig:
     """none: no internal routes; prefill: export KV spans on /v1/internal/prefill; decode: accept them
     on /v1/internal/kv; both."""
     kv_secret: str | None = None
-    """Shared secret of a PD deployment (or BATON_KV_SECRET; defaults to the API key): internal routes
-    require it and every KV span carries an HMAC-SHA256 made with it. Without one, spans are signed
-    with a random per-process key, so only the process that exported a span can import it."""
+    """Shared secret of a PD deployment (or BATON_KV_SECRET), required by every KV role and distinct
+    from the API key: internal routes require it and every KV span carries an HMAC-SHA256 made with
+    it. Without a role and a secret, spans are signed with a random per-process key, so only the
+    process that exported a span can import it."""
     max_kv_span_bytes: int = 2 << 30
     """Largest KV span body accepted on /v1/internal/kv."""
     max_parked_kv_bytes: int = 4 << 30
-    """Total bytes of KV spans parked on a decode worker, waiting for their requests."""
+    """KV span bytes a decode worker holds at once: uploads in flight, spans parked for their
+    requests, and imports waiting for admission."""
+    max_kv_uploads: int = 8
+    """Uploads to /v1/internal/kv in flight at once; past it, 503."""
+    kv_span_ttl_s: float = 120.0
+    """A span expires this long after its export; a span is imported at most once before then."""
 
     def __post_init__(self) -> None:
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
-        if self.max_kv_span_bytes < 1 or self.max_parked_kv_bytes < 1:
-            raise ValueError("max_kv_span_bytes and max_parked_kv_bytes must be positive")
+        if self.max_kv_span_bytes < 1 or self.max_parked_kv_bytes < 1 or self.max_kv_uploads < 1:
+            raise ValueError("max_kv_span_bytes, max_parked_kv_bytes and max_kv_uploads must be positive")
+        if not 0 < self.kv_span_ttl_s <= 3600:
+            raise ValueError(f"kv_span_ttl_s must be in (0, 3600], got {self.kv_span_ttl_s}")
 
 
 @dataclass
@@ -243,7 +256,9 @@ class ParallelConfig:
     """This host's index; host 0 runs the scheduler and the API, the others only ranks."""
     master_addr: str = "127.0.0.1"
     """Where rank 0 listens for the process group (torchrun's --master-addr)."""
-    master_port: int = 29500
+    master_port: int | None = None
+    """Where rank 0 listens; default: a free port when the ranks share one host (two engines on
+    a host never collide), required with nnodes > 1."""
     distributed_backend: str = "auto"
     """auto: gloo, as baton's ranks compute on the CPU (nccl is for CUDA tensors: refused)."""
 
@@ -255,8 +270,10 @@ class ParallelConfig:
             raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
         if self.world_size % self.nnodes:
             raise ValueError(f"{self.world_size} ranks do not divide over {self.nnodes} nodes")
-        if not 0 < self.master_port < 65536:
+        if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be a TCP port, got {self.master_port}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("ranks on several hosts need --master-port (every host must know it)")
         if self.distributed_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"distributed_backend must be auto, gloo or nccl, got {self.distributed_backend!r}")
 
@@ -276,6 +293,9 @@ class EnvSettings:
     cache_dir: Path = Path.home() / ".cache" / "baton"
     api_key: str | None = None
     kv_secret: str | None = None
+    router_admin_key: str | None = None
+    faults: dict[str, int] = field(default_factory=dict)
+    """BATON_FAULTS="stage=token,...": tests' fault points (engine/faults.py); empty in service."""
 
     @classmethod
     def read(cls) -> EnvSettings:
@@ -286,7 +306,20 @@ class EnvSettings:
             cache_dir=Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton")),
             api_key=os.environ.get("BATON_API_KEY") or None,
             kv_secret=os.environ.get("BATON_KV_SECRET") or None,
+            router_admin_key=os.environ.get("BATON_ROUTER_ADMIN_KEY") or None,
+            faults=parse_faults(os.environ.get("BATON_FAULTS", "")),
         )
+
+
+def parse_faults(text: str) -> dict[str, int]:
+    """Parse `forward=49000,export=49001` into {"forward": 49000, "export": 49001}."""
+    faults = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        stage, _, token = item.partition("=")
+        if not token.strip().isdigit():
+            raise ValueError(f"BATON_FAULTS entries are stage=token_id, not {item!r}")
+        faults[stage.strip()] = int(token)
+    return faults
 
 
 @dataclass
@@ -353,24 +386,30 @@ class EngineConfig:
         )
 
     def kv_secret_bytes(self) -> bytes | None:
-        """The explicit shared secret (flag, BATON_KV_SECRET, else the API key), or None."""
-        secret = shared_kv_secret(self.kv_transfer.kv_secret, self.env, self.env.api_key)
+        """The explicit shared secret (the flag, else BATON_KV_SECRET), or None."""
+        secret = self.kv_transfer.kv_secret or self.env.kv_secret
         return secret.encode() if secret else None
 
-    def internal_key(self) -> str | None:
-        """The key of the internal routes: None for kv_role none; a role without a secret is an error."""
+    def internal_key(self, api_key: str | None = None) -> str | None:
+        """The key of the internal routes: None for kv_role none. A role needs its own secret."""
         role = self.kv_transfer.kv_role
         if role == "none":
             return None
-        secret = self.kv_secret_bytes()
-        if secret is None:
-            raise ValueError(
-                f"--kv-role {role} needs a shared secret for the internal routes and KV spans: "
-                "pass --kv-secret (or set BATON_KV_SECRET, or --api-key) on every worker and the router"
-            )
-        return secret.decode()
+        secret = self.kv_transfer.kv_secret or self.env.kv_secret
+        return check_kv_secret(secret, api_key or self.env.api_key, f"--kv-role {role}")
 
 
-def shared_kv_secret(flag: str | None, env: EnvSettings, api_key: str | None) -> str | None:
-    """A PD deployment's secret: the flag, else BATON_KV_SECRET, else the API key."""
-    return flag or env.kv_secret or api_key or None
+def check_kv_secret(secret: str | None, api_key: str | None, who: str) -> str:
+    """A PD deployment's secret, refused when missing or when it is the API key (every tenant
+    holds that one, and could then sign spans and call the internal routes)."""
+    if not secret:
+        raise ValueError(
+            f"{who} needs the deployment's kv secret for the internal routes and KV spans: pass "
+            "--kv-secret (or set BATON_KV_SECRET) on every worker and the router"
+        )
+    if api_key is not None and secret == api_key:
+        raise ValueError(
+            "the kv secret must differ from the API key: every client holds the API key, and could "
+            "sign KV spans and call the internal routes with it"
+        )
+    return secret

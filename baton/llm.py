@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 
 from tqdm import tqdm
@@ -15,16 +16,26 @@ from baton.tokenizer import apply_chat_template
 
 
 class LLM:
-    """`LLM(model="smollm2-135m", dtype="float32", block_size=16, ...)`: any setting of the config tree."""
+    """`LLM(model="smollm2-135m", dtype="float32", block_size=16, ...)`: any setting of the config tree.
+
+    A context manager: leaving it (or `shutdown()`, or the object being collected) stops the
+    engine's other ranks and frees their port."""
 
     def __init__(self, model: str = "smollm2-135m", progress: bool = True, **settings) -> None:
         config = EngineConfig.from_kwargs(model=model, **settings)
         logging.basicConfig(level=config.env.log_level, format="%(levelname)s %(name)s: %(message)s")
         self.engine = LLMEngine(config, progress=progress)
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
 
     def shutdown(self) -> None:
         """Stop the engine's other tensor-parallel ranks (also done at exit)."""
-        self.engine.shutdown()
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import requests
@@ -14,19 +15,29 @@ from baton.bench.procs import free_port
 
 
 class ServerProcess:
-    def __init__(self, *args: str, timeout: float = 180.0) -> None:
+    """`baton serve ARGS`, healthy when this returns (with `wait=False`: once `wait_healthy()` does,
+    so several servers load at once)."""
+
+    def __init__(self, *args: str, timeout: float = 180.0, env: dict | None = None, wait: bool = True) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        # a file, not a pipe: a server that logs much (tracebacks of injected faults) never blocks on it
+        self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "baton.cli", "serve", "--port", str(self.port), *args],
-            stdout=subprocess.PIPE,
+            stdout=self.log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "BATON_LOG_LEVEL": "WARNING"},
+            env={**os.environ, "BATON_LOG_LEVEL": "WARNING", **(env or {})},
         )
-        deadline = time.time() + timeout
+        self.timeout = timeout
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self) -> None:
+        deadline = time.time() + self.timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read().decode()[-3000:]}")
+                raise RuntimeError(f"server exited: {self.output()[-3000:]}")
             try:
                 if requests.get(f"{self.base_url}/health", timeout=1).status_code == 200:
                     return
@@ -35,6 +46,10 @@ class ServerProcess:
             time.sleep(0.5)
         self.proc.kill()
         raise RuntimeError("server did not become healthy")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
 
     def terminate(self, timeout: float = 60.0) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -60,11 +75,12 @@ class ServerProcess:
 class RouterProcess:
     """`baton router ARGS` as a real process, healthy (a worker up) when this returns."""
 
-    def __init__(self, *args: str, timeout: float = 60.0) -> None:
+    def __init__(self, *args: str, timeout: float = 60.0, env: dict | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "baton.cli", "router", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+        env = {**os.environ, **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         deadline = time.time() + timeout
         while time.time() < deadline:
             try:

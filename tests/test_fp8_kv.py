@@ -158,7 +158,8 @@ def test_fp8_model_reads_what_torch_quantizes(model, request, monkeypatch):
     """A prompt's logits on an fp8 cache equal those of the float32 model whose cache holds torch's
     e4m3 quantization of every block and head; on Gemma3 past its sliding window."""
     llm: LLM = request.getfixturevalue(model)
-    ids = {"prompt_token_ids": llm.get_tokenizer().encode(_words(10, 70))}  # ~680 tokens
+    # Gemma3: ~680 tokens, past its 512-token window; SmolLM2: ~300, many blocks
+    ids = {"prompt_token_ids": llm.get_tokenizer().encode(_words(10, 70 if model == "gemma3" else 30))}
     fp8 = LLM({"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}[model], progress=False, kv_cache_dtype="fp8")
     got = fp8.prompt_logits(ids)
     exact = llm.prompt_logits(ids)
@@ -182,6 +183,7 @@ def test_fp8_span_converts_to_other_kv_dtypes(smollm2, smollm2_fp8):
     # a float32 receiver holds exactly code * scale
     engine = smollm2.engine
     rid = engine.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=2), kv_span=blob)
+    batch = engine.schedule()  # admitted and written; the forward has not run
     header, body = wire.read_header(blob, smollm2_fp8.engine.handoff.secret)
 
     def sent(kind: str, dtype: torch.dtype) -> torch.Tensor:  # layer 7 of the span's NHD tensor
@@ -192,6 +194,7 @@ def test_fp8_span_converts_to_other_kv_dtypes(smollm2, smollm2_fp8):
         _slots(engine.kv, engine.requests[rid][0].request_id, 0, torch.arange(len(ids)).numpy())
     ]
     assert torch.equal(held, sent("k", FP8).float() * sent("k_scale", torch.float32))
+    engine.run(batch)
     while rid in engine.requests:
         engine.step()
     assert engine.kv.all_free()
@@ -202,6 +205,7 @@ def test_float32_span_is_quantized_by_an_fp8_receiver(smollm2, smollm2_fp8):
     blob = prefill_span(smollm2, ids)
     engine = smollm2_fp8.engine
     rid = engine.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=2), kv_span=blob)
+    batch = engine.schedule()  # admitted and written; the forward has not run
     header, body = wire.read_header(blob, smollm2.engine.handoff.secret)
     e = header["tensors"][0]  # K of all layers, NHD: [layers, positions, heads, dim]
     sent = wire.tensor_from_bytes(body[e["offset"] : e["offset"] + e["nbytes"]], torch.float32, e["shape"])[3]
@@ -214,6 +218,7 @@ def test_float32_span_is_quantized_by_an_fp8_receiver(smollm2, smollm2_fp8):
             assert torch.equal(
                 cache.k[slots[b : b + 16], h].view(torch.uint8), quantize(sent[b : b + 16, h], scale).view(torch.uint8)
             )
+    engine.run(batch)
     while rid in engine.requests:
         engine.step()
     assert engine.kv.all_free()

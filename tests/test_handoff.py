@@ -26,12 +26,12 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def smollm2_decode(smollm2) -> LLM:
-    return LLM("smollm2-135m", progress=False, block_size=64, kv_layout="HND")
+    return LLM("smollm2-135m", progress=False, block_size=64, kv_layout="HND", kv_cache_memory_bytes=256 << 20)
 
 
 @pytest.fixture(scope="module")
 def gemma3_decode(gemma3) -> LLM:
-    return LLM("gemma3-270m", progress=False, block_size=32, kv_layout="HND")
+    return LLM("gemma3-270m", progress=False, block_size=32, kv_layout="HND", kv_cache_memory_bytes=256 << 20)
 
 
 def prefill_output(llm: LLM, ids: list[int], fmt: str = "grouped"):
@@ -62,7 +62,7 @@ def receiver_state(llm: LLM):
     e = llm.engine
     digest = xxhash.xxh64()
     for t in e.storage.k + e.storage.v + e.storage.k_scale + e.storage.v_scale:
-        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(t.contiguous().view(torch.uint8).numpy())  # hashed in place, not copied
     free = [e.kv.num_free_blocks(g.group_id) for g in e.kv_spec.groups]
     tables = {rid: [list(t) for t in ts] for rid, ts in e.kv.block_tables.items()}
     return free, tables, digest.hexdigest(), dict(e.requests)
@@ -111,6 +111,8 @@ def test_bfloat16_kv_cache_converts_on_import(smollm2_decode):
     engine = smollm2_decode.engine
     rid = engine.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=3, temperature=0.0), kv_span=blob)
     req = engine.requests[rid][0]
+    assert req.request_id not in engine.kv.block_tables  # queued: blocks come at admission
+    batch = engine.schedule()  # admitted and written; the forward has not run
     span = wire.build_span(header, [None] * len(header["tensors"]))
     raw = wire.read_header(blob, secret)[1]
     k_entry = header["tensors"][0]
@@ -123,6 +125,7 @@ def test_bfloat16_kv_cache_converts_on_import(smollm2_decode):
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(len(ids))])
     k_layer0 = engine.storage.layer(0)[0][slots]
     assert torch.equal(k_layer0, sent[0].float())  # exactly the bfloat16 values, upcast
+    engine.run(batch)
     while rid in engine.requests:
         engine.step()
     assert engine.kv.all_free()
@@ -196,6 +199,43 @@ def test_unsigned_spans_are_refused_before_parsing(smollm2, smollm2_decode):
     assert receiver_state(smollm2_decode) == before
 
 
+def test_a_span_is_imported_once_before_it_expires_and_holds_only_numbers(smollm2, smollm2_decode):
+    """Signed by a holder of the secret and otherwise sound: a second import of one transfer id, a
+    span past its expiry (or one claiming a far one), and a NaN or an infinity among its values are
+    each refused before anything is written."""
+    ids = smollm2.get_tokenizer().encode("A span is good for one import, and only for a while.")
+    blob = prefill_span(smollm2, ids)
+    secret = smollm2_decode.engine.handoff.secret
+    engine = smollm2_decode.engine
+    out = run_imported(smollm2_decode, ids, blob)
+    assert engine.kv.all_free() and len(out.outputs[0].token_ids) == GREEDY.max_tokens
+
+    def poke(value):
+        def edit(header, body):
+            e = next(t for t in header["tensors"] if t["kind"] == "v")
+            struct.pack_into("<f", body, e["offset"] + 4 * 7, value)
+            e["xxh64"] = xxhash.xxh64(bytes(body[e["offset"] : e["offset"] + e["nbytes"]])).hexdigest()
+
+        return edit
+
+    fresh = {"transfer_id": "0123456789abcdef" * 2}  # a new id: only the edit below can refuse it
+    cases = [
+        (blob, "transfer_id"),
+        (repack(blob, secret, lambda h: h.update(fresh, expires_at=h["expires_at"] - 3600)), "expires_at"),
+        (repack(blob, secret, lambda h: h.update(fresh, expires_at=h["expires_at"] + 86400)), "expires_at"),
+        (repack(blob, secret, lambda h: h.update(fresh, transfer_id="not hex")), "transfer_id"),
+        (repack(blob, secret, lambda h: h.update(fresh), poke(float("nan"))), "v.values"),
+        (repack(blob, secret, lambda h: h.update(fresh), poke(float("inf"))), "v.values"),
+    ]
+    before = receiver_state(smollm2_decode)
+    for bad, field in cases:
+        with pytest.raises(InvalidKVImport) as err:
+            engine.add_request({"prompt_token_ids": ids}, GREEDY, kv_span=bad)
+        assert err.value.field == field
+    assert receiver_state(smollm2_decode) == before
+    assert run_imported(smollm2_decode, ids, repack(blob, secret, lambda h: h.update(fresh))).outputs[0].token_ids
+
+
 def test_truncated_frame_and_sliding_coverage(gemma3, gemma3_decode):
     ids = gemma3.get_tokenizer().encode(_words(12, 80))[:600]
     blob = prefill_span(gemma3, ids)
@@ -234,19 +274,27 @@ def test_truncated_frame_and_sliding_coverage(gemma3, gemma3_decode):
     assert receiver_state(gemma3_decode) == before
 
 
-def test_not_enough_free_blocks(smollm2):
+def test_an_import_waits_for_room_and_holds_nothing_meanwhile(smollm2):
+    """An import takes its blocks when the scheduler admits it, not when it arrives: behind a running
+    request that holds the pool, it waits holding nothing, then runs from its span."""
     small = LLM("smollm2-135m", progress=False, num_kv_blocks=8, max_model_len=128)
-    ids = smollm2.get_tokenizer().encode(_words(13, 12))[:100]
+    engine = small.engine
+    ids = smollm2.get_tokenizer().encode(_words(13, 12))[:100]  # with its first token: 7 of 8 blocks
     blob = prefill_span(smollm2, ids)
-    assert small.engine.kv.allocate_slots("squatter", list(range(80)), 0, 80)  # 5 of 8 blocks taken
-    before = receiver_state(small)
-    with pytest.raises(InvalidKVImport) as err:
-        small.engine.add_request({"prompt_token_ids": ids}, GREEDY, kv_span=blob)
-    assert err.value.field == "free_blocks"
-    assert receiver_state(small) == before
-    small.engine.kv.free("squatter")
-    out = run_imported(small, ids, blob, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    assert len(out.outputs[0].token_ids) == 4 and small.engine.kv.all_free()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    expected = smollm2.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
+    engine.add_request({"prompt_token_ids": ids[:80]}, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # the squatter runs, holding 5 blocks
+    rid = engine.add_request({"prompt_token_ids": ids}, params, kv_span=blob)
+    req = engine.requests[rid][0]
+    engine.step()
+    assert req.status.value == "waiting" and req.request_id not in engine.kv.block_tables
+    assert req.output_token_ids == expected[:1]  # its first token came with the span
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.request_id == rid), out)
+    assert out.outputs[0].token_ids == expected
+    assert engine.prefills == {"remote": 1, "local": 1} and engine.kv.all_free()
 
 
 def test_wire_round_trip_is_exact(smollm2):

@@ -48,7 +48,7 @@ POISON: list[tuple[str, dict | bytes, int]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 50}, 400),
     ("/v1/internal/prefill", {"prompt": "x"}, 401),
-    ("/v1/internal/kv", b"BATONKV2", 401),
+    ("/v1/internal/kv", b"BATONKV3", 401),
 ]
 
 

@@ -4,6 +4,8 @@ loop answers 503 at once, cancelled submissions do not kill the loop, seeds are 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from baton.config import EngineConfig, ServerConfig
 from baton.engine.async_engine import AsyncEngine, RequestFailedError
 from baton.engine.engine import LLMEngine
 from baton.engine.sampler import noise_seed
+from baton.engine.scheduler import SchedulerOutput
 from baton.server.app import build_app
 from tests.test_random_models import make_model
 
@@ -23,9 +26,9 @@ def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("llama"), "LlamaForCausalLM")[1]
 
 
-def _engine(model_dir) -> AsyncEngine:
+def _engine(model_dir, stall_timeout_s: float = 60.0) -> AsyncEngine:
     config = EngineConfig.from_kwargs(model=str(model_dir), num_kv_blocks=64, block_size=4)
-    return AsyncEngine(lambda: LLMEngine(config, progress=False))
+    return AsyncEngine(lambda: LLMEngine(config, progress=False), stall_timeout_s)
 
 
 POISON = [7, 7, 7, 7, 7]  # a prompt the faulty runner below refuses
@@ -145,6 +148,30 @@ def test_a_dead_engine_loop_answers_503_at_once(model_dir):
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
         assert "Retry-After" in r.headers
         assert "baton_engine_alive 0.0" in client.get("/metrics").text
+
+
+def test_an_engine_that_stops_moving_says_so_on_health(model_dir):
+    """Work pending and no step moving for --stall-timeout-s: /health answers 503 and the stall is
+    counted, until the engine moves again."""
+    a = _engine(model_dir, stall_timeout_s=0.3)
+    app = build_app(a, ServerConfig(), "m")
+    with TestClient(app) as client:
+        schedule = a.engine.scheduler.schedule
+        a.engine.scheduler.schedule = lambda: SchedulerOutput()  # an admission bug: nothing is ever scheduled
+        body = {"prompt": [1, 2, 3], "max_tokens": 4}
+        done: dict = {}
+        waiter = threading.Thread(target=lambda: done.update(r=client.post("/v1/completions", json=body)))
+        waiter.start()
+        for _ in range(100):
+            if a.stalled:
+                break
+            time.sleep(0.02)
+        assert a.stalled and client.get("/health").status_code == 503
+        assert "baton_engine_stalls_total 1.0" in client.get("/metrics").text
+        a.engine.scheduler.schedule = schedule
+        waiter.join(timeout=30)
+        assert done["r"].status_code == 200 and not a.stalled
+        assert client.get("/health").status_code == 200
 
 
 def test_seeded_noise_depends_only_on_seed_index_and_position(model_dir):

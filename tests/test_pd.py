@@ -24,13 +24,16 @@ PROMPTS = [
 ]
 
 
-KEY = "pd-test-key"  # every process runs with --api-key; the kv secret defaults to it
+KEY = "pd-test-key"  # every process runs with --api-key
+SECRET = "pd-test-kv-secret"  # and the deployment's own kv secret, through the environment
+SECRET_ENV = {"BATON_KV_SECRET": SECRET}
 AUTH = {"Authorization": f"Bearer {KEY}"}
+INTERNAL = {"Authorization": f"Bearer {SECRET}"}
 
 
 def pd_router(prefill: list[str], decode: list[str], span_format: str = "grouped") -> RouterProcess:
     args = ["--decode", *decode, "--span-format", span_format, "--api-key", KEY]
-    return RouterProcess(*args, *(["--prefill", *prefill] if prefill else []))
+    return RouterProcess(*args, *(["--prefill", *prefill] if prefill else []), env=SECRET_ENV)
 
 
 @pytest.fixture(
@@ -41,8 +44,8 @@ def pd_router(prefill: list[str], decode: list[str], span_format: str = "grouped
 def trio(request):
     model, span_format = request.param
     keyed = ("--model", model, "--api-key", KEY)
-    prefill = ServerProcess(*keyed, "--kv-role", "prefill", "--block-size", "16")
-    decode = ServerProcess(*keyed, "--kv-role", "decode", "--block-size", "64", "--kv-layout", "HND")
+    prefill = ServerProcess(*keyed, "--kv-role", "prefill", "--block-size", "16", env=SECRET_ENV)
+    decode = ServerProcess(*keyed, "--kv-role", "decode", "--block-size", "64", "--kv-layout", "HND", env=SECRET_ENV)
     router = pd_router([prefill.base_url], [decode.base_url], span_format)
     router.model = model
     yield prefill, decode, router
@@ -89,7 +92,7 @@ def test_refused_span_falls_back_to_a_local_prefill(trio):
     _, decode, _ = trio
     rejected = decode.metric("baton_kv_imports_rejected_total")
     tid = requests.post(
-        f"{decode.base_url}/v1/internal/kv", data=b"BATONKV2 not a span", timeout=10, headers=AUTH
+        f"{decode.base_url}/v1/internal/kv", data=b"BATONKV3 not a span", timeout=10, headers=INTERNAL
     ).json()
     body = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0, "kv_transfer_id": tid["kv_transfer_id"]}
     r = requests.post(f"{decode.base_url}/v1/completions", json=body, timeout=60, headers=AUTH)
@@ -99,7 +102,7 @@ def test_refused_span_falls_back_to_a_local_prefill(trio):
 
 def test_internal_routes_need_the_secret(trio):
     prefill, decode, _ = trio
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, AUTH):  # a tenant's API key is not the secret
         assert (
             requests.post(f"{decode.base_url}/v1/internal/kv", data=b"x", timeout=10, headers=headers).status_code
             == 401
@@ -107,8 +110,9 @@ def test_internal_routes_need_the_secret(trio):
         r = requests.post(f"{prefill.base_url}/v1/internal/prefill", json={"prompt": "x"}, timeout=10, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     # each worker opens only the route its role needs
-    assert requests.post(f"{prefill.base_url}/v1/internal/kv", data=b"x", timeout=10, headers=AUTH).status_code == 404
-    r = requests.post(f"{decode.base_url}/v1/internal/prefill", json={"prompt": "x"}, timeout=10, headers=AUTH)
+    r = requests.post(f"{prefill.base_url}/v1/internal/kv", data=b"x", timeout=10, headers=INTERNAL)
+    assert r.status_code == 404
+    r = requests.post(f"{decode.base_url}/v1/internal/prefill", json={"prompt": "x"}, timeout=10, headers=INTERNAL)
     assert r.status_code == 404
 
 
@@ -120,14 +124,14 @@ def test_a_forged_span_is_refused_before_any_write(trio):
         params={"format": "dense" if router.model == "gemma3-270m" else "grouped"},
         json={"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0},
         timeout=60,
-        headers=AUTH,
+        headers=INTERNAL,
     ).content
     signed = blob[:-32]
-    assert blob[-32:] == hmac.new(KEY.encode(), signed, hashlib.sha256).digest()  # the real one is signed
+    assert blob[-32:] == hmac.new(SECRET.encode(), signed, hashlib.sha256).digest()  # the real one is signed
     forged = signed + hmac.new(b"not the secret", signed, hashlib.sha256).digest()
     rejected = decode.metric("baton_kv_imports_rejected_total")
     remote = decode.metric('baton_prefills_total{where="remote"')
-    tid = requests.post(f"{decode.base_url}/v1/internal/kv", data=forged, timeout=10, headers=AUTH).json()
+    tid = requests.post(f"{decode.base_url}/v1/internal/kv", data=forged, timeout=10, headers=INTERNAL).json()
     body = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0, "kv_transfer_id": tid["kv_transfer_id"]}
     r = requests.post(f"{decode.base_url}/v1/completions", json=body, timeout=60, headers=AUTH)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == _complete(decode.base_url, PROMPTS[1])

@@ -200,10 +200,14 @@ def test_health_models_tokenize_detokenize(server, smollm2):
     assert requests.get(f"{server.base_url}/health", timeout=5).status_code == 200
     models = requests.get(f"{server.base_url}/v1/models", headers=AUTH, timeout=5).json()
     assert models["data"][0]["id"] == "smollm2-135m"
-    toks = requests.post(f"{server.base_url}/tokenize", json={"prompt": "Hello world"}, timeout=5).json()
+    for path, body in (("/tokenize", {"prompt": "Hello world"}), ("/detokenize", {"tokens": [1, 2]})):
+        _assert_error(requests.post(f"{server.base_url}{path}", json=body, timeout=5), 401)  # behind the key
+    toks = requests.post(f"{server.base_url}/tokenize", json={"prompt": "Hello world"}, headers=AUTH, timeout=5).json()
     assert toks["tokens"] == smollm2.get_tokenizer().encode("Hello world") and toks["count"] == len(toks["tokens"])
-    text = requests.post(f"{server.base_url}/detokenize", json={"tokens": toks["tokens"]}, timeout=5).json()
+    body = {"tokens": toks["tokens"]}
+    text = requests.post(f"{server.base_url}/detokenize", json=body, headers=AUTH, timeout=5).json()
     assert text["prompt"] == "Hello world"
+    assert requests.get(f"{server.base_url}/metrics", timeout=5).status_code == 200  # open, as Prometheus expects
 
 
 def test_disconnects_free_the_kv_and_the_server_still_answers(server, client):

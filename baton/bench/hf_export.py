@@ -4,6 +4,8 @@ own GGUF reader, so the directory is independent of baton's loader."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +26,18 @@ def export_hf_dir(model: str, out_dir: Path | None = None) -> Path:
     net.hf_quantizer = None  # the weights are plain float32 now; transformers refuses to save "gguf" ones
     if hasattr(net.config, "quantization_config"):
         del net.config.quantization_config
-    net.save_pretrained(str(out_dir))
-    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(out_dir))
+    # written beside, then renamed into place: a process exporting the same model at once (the test
+    # suite runs in two) never reads a half-written directory
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    try:
+        net.save_pretrained(str(tmp))
+        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp))
+        try:
+            tmp.rename(out_dir)
+        except OSError:  # another process put its copy there first
+            if not (out_dir / "tokenizer_config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

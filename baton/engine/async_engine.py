@@ -12,11 +12,13 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from baton.engine.engine import LLMEngine, Prompt, StepFailed
 from baton.handoff.errors import InvalidKVImport
+from baton.handoff.validate import ImportPlan
 from baton.outputs import RequestOutput
 from baton.sampling_params import SamplingParams
 
@@ -39,14 +41,15 @@ class _Add:
     outputs: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     accepted: concurrent.futures.Future
-    kv_span: bytes | None = None
+    kv_import: ImportPlan | None = None
     export_kv: str | None = None
 
 
 class AsyncEngine:
-    def __init__(self, make_engine: Callable[[], LLMEngine]) -> None:
+    def __init__(self, make_engine: Callable[[], LLMEngine], stall_timeout_s: float = 60.0) -> None:
         """Starts the loop thread, which calls `make_engine`; returns once the engine is built
-        (re-raising its error). Requests are served after `start()`."""
+        (re-raising its error). Requests are served after `start()`. The loop is stalled (and
+        `/health` says so) while work is pending and no step has moved for `stall_timeout_s`."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -54,10 +57,15 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self.running = False
         self.dead = False  # the loop thread died of a bug: /health and every new request say 503
-        self.remote_prefills = 0  # imported spans
-        self.local_prefills = 0
-        self.rejected_imports = 0
+        self.stall_timeout_s = stall_timeout_s
+        self.stalled = False
+        self.stalls = 0
+        self.rejected_imports = 0  # spans refused before the engine saw them (event loop thread)
+        self.refused_first_tokens = 0  # spans whose first token the request forbids (engine thread)
         self.step_failures = 0
+        # spans are verified and converted here, never on the engine thread: a 2 GiB span's HMAC,
+        # checksums and conversion would stall every decode
+        self._verify_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baton-kv-verify")
         # requests handed to the loop thread and taken from the inbox: each counter has one writer thread
         self._submitted = 0
         self._taken = 0
@@ -78,6 +86,7 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         self.running = False
+        self._verify_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
 
     async def generate(
@@ -92,10 +101,11 @@ class AsyncEngine:
         A `kv_span` that fails validation is counted and the prompt is prefilled here instead."""
         self.check_alive()
         loop = asyncio.get_running_loop()
+        kv_import = await self._verify(prompt, kv_span) if kv_span is not None else None
         outputs: asyncio.Queue = asyncio.Queue()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._submitted += 1
-        self._inbox.put(_Add(request_id, prompt, params, outputs, loop, accepted, kv_span, export_kv))
+        self._inbox.put(_Add(request_id, prompt, params, outputs, loop, accepted, kv_import, export_kv))
         self._wake.set()
         finished = False
         try:
@@ -115,6 +125,19 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def _verify(self, prompt: Prompt, blob: bytes) -> ImportPlan | None:
+        """The span's import plan, checked on the verify thread; None (prefill here) if refused."""
+
+        def plan() -> ImportPlan:
+            return self.engine.handoff.plan(blob, self.engine.inputs.tokenize(prompt)[1])
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._verify_pool, plan)
+        except InvalidKVImport as e:
+            self.rejected_imports += 1
+            logger.warning("a KV span was refused (%s); prefilling locally", e)
+            return None
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -155,16 +178,14 @@ class AsyncEngine:
                 self._streams.pop(rid, None)
 
     def _add(self, item: _Add) -> None:
-        if item.kv_span is not None:
+        if item.kv_import is not None:
             try:
-                self.engine.add_request(item.prompt, item.params, item.request_id, kv_span=item.kv_span)
-                self.remote_prefills += 1
+                self.engine.add_request(item.prompt, item.params, item.request_id, kv_import=item.kv_import)
                 return
-            except InvalidKVImport as e:  # nothing was written: prefill it here instead
-                self.rejected_imports += 1
+            except InvalidKVImport as e:  # nothing was taken: prefill it here instead
+                self.refused_first_tokens += 1
                 logger.warning("request %s: %s; prefilling locally", item.request_id, e)
         self.engine.add_request(item.prompt, item.params, item.request_id, export_kv=item.export_kv)
-        self.local_prefills += 1
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -206,27 +227,45 @@ class AsyncEngine:
         self._wake.set()
 
     def _run(self) -> None:
+        last_progress = time.monotonic()
         while not self._stopping.is_set():
             if self.dead:
                 raise EngineDeadError(f"the engine's ranks are lost: {self.engine.ranks.lost}")
             self._drain_inbox()
             if not self.engine.has_unfinished_requests():
+                last_progress = self._moved()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            before = self.engine.num_steps_with_work
             try:
                 outs = self.engine.step()
             except StepFailed as e:  # only the requests of that step fail
                 self._fail(e.request_ids, e.__cause__ or e)
+                last_progress = self._moved()
                 continue
             except Exception as e:  # failed before a batch was known: fail what is running
                 self._fail(list(self._streams), e)
+                last_progress = self._moved()
                 continue
             for out in outs:
                 self._deliver(out.request_id, out)
+            if outs or self.engine.num_steps_with_work != before:
+                last_progress = self._moved()
+                continue
+            if time.monotonic() - last_progress > self.stall_timeout_s and not self.stalled:
+                self.stalled = True
+                self.stalls += 1
+                logger.error("the engine made no progress for %.0f s with work pending", self.stall_timeout_s)
+            self._wake.wait(timeout=0.005)  # nothing could run: wait for the inbox rather than spin
+            self._wake.clear()
         for rid in list(self._streams):
             self.engine.abort_request(rid)
             self._deliver(rid, EngineDeadError("the server is shutting down"))
+
+    def _moved(self) -> float:
+        self.stalled = False
+        return time.monotonic()
 
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
         logger.error("engine step failed for %d request(s)", len(request_ids), exc_info=error)

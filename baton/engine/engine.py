@@ -6,19 +6,23 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent import futures
 
 import torch
 
 from baton.config import EngineConfig
+from baton.engine.faults import Faults
 from baton.engine.grammar import StructuredOutputs
+from baton.engine.input_processor import InputProcessor, Prompt
 from baton.engine.kv_handoff import KVHandoff
 from baton.engine.model_setup import load_rank_model
 from baton.engine.output_processor import OutputProcessor, record_prompt_logprobs, request_output
 from baton.engine.request import Request
 from baton.engine.runner import ModelOutput, ModelRunner
-from baton.engine.sampler import sample
+from baton.engine.sampler import forbidden, sample
 from baton.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from baton.handoff.errors import InvalidKVImport
+from baton.handoff.validate import ImportPlan
 from baton.kv.memory import build_cache_memory
 from baton.outputs import RequestOutput
 from baton.parallel.comm import TPGroup
@@ -27,9 +31,6 @@ from baton.sampling_params import SamplingParams
 from baton.spec.decoder import SpecDecoder
 from baton.spec.verify import accept_drafts
 from baton.tokenizer import generation_eos_ids, load_tokenizer
-
-Prompt = str | list[int] | dict
-
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +80,15 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, self.structured)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self.spec = self._spec_decoder(config, progress) if spec is not None else None
         self.requests: dict[str, list[Request]] = {}  # request id -> its n samples
-        self.num_kv_imports = 0
+        self.faults = Faults(config.env.faults)
+        self.prefills = {"remote": 0, "local": 0}  # prompts by where their KV was computed
+        self.num_kv_imports_failed = 0  # admitted imports that could not be written, then prefilled here
+        self.num_steps_with_work = 0  # steps that scheduled something: the loop's progress
         self._touched: set[str] = set()  # requests changed outside a step (an import), reported next step
-        self._exports: list[tuple[Request, int]] = []  # prefill-only requests of this step, and their first token
         self._ids = itertools.count()
 
     def _spec_decoder(self, config: EngineConfig, progress: bool) -> SpecDecoder:
@@ -107,19 +111,6 @@ class LLMEngine:
             self.ranks.stop()
 
     # ---- requests ------------------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]} instead of text")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list):
-            return None, list(prompt)
-        raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
-
     def add_request(
         self,
         prompt: Prompt,
@@ -127,22 +118,26 @@ class LLMEngine:
         request_id: str | None = None,
         kv_span: bytes | None = None,
         export_kv: str | None = None,
+        kv_import: ImportPlan | None = None,
     ) -> str:
         """`kv_span`: the prompt's KV computed elsewhere; validated before anything is written
-        (InvalidKVImport), then the request decodes from its first token. `export_kv`
-        ("grouped" / "dense"): prefill only, and put the encoded span in the output."""
-        text, token_ids = self.tokenize(prompt)
-        bad_words = self.check_request(token_ids, params)
+        (InvalidKVImport), then the request waits for admission like any other and decodes from
+        its first token. `kv_import`: a span `handoff.plan` validated already (off this thread).
+        `export_kv` ("grouped" / "dense"): prefill only, and put the encoded span in the output."""
+        text, token_ids = self.inputs.tokenize(prompt)
+        bad_words = self.inputs.check(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        if kv_span is not None or export_kv is not None:
+        if kv_span is not None or kv_import is not None or export_kv is not None:
             if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None:
                 raise InvalidKVImport("request", "n=1 and no logprobs", f"n={params.n}, logprobs={params.logprobs}")
             if export_kv not in (None, "grouped", "dense"):
                 raise ValueError(f"export_kv must be 'grouped' or 'dense', not {export_kv!r}")
         if kv_span is not None:
-            return self._add_imported(request_id, text, token_ids, params, kv_span, bad_words)
+            kv_import = self.handoff.plan(kv_span, token_ids)
+        if kv_import is not None:
+            return self._add_imported(request_id, text, token_ids, params, kv_import, bad_words)
         samples: list[Request] = []
         for i in range(params.n):
             req = Request(
@@ -161,6 +156,7 @@ class LLMEngine:
             samples.append(req)
             self.scheduler.add(req)
         self.requests[request_id] = samples
+        self.prefills["local"] += 1
         return request_id
 
     def _add_imported(
@@ -169,50 +165,35 @@ class LLMEngine:
         text: str | None,
         token_ids: list[int],
         params: SamplingParams,
-        blob: bytes,
+        plan: ImportPlan,
         bad_words: list[list[int]],
     ) -> str:
-        plan = self.handoff.plan(blob, token_ids)
+        if plan.prompt_token_ids != token_ids:
+            raise InvalidKVImport("prompt_token_ids", "the request's tokens", "a span planned for other tokens")
         req = Request(f"{request_id}#0", token_ids, params, self.eos_token_ids, self.max_model_len, prompt=text)
         req.bad_words_token_ids = bad_words
         self._attach_grammar(req)
-        self.handoff.apply(req.request_id, plan)
-        req.num_computed_tokens = len(token_ids)
+        why = forbidden(req, plan.first_token, self.model_config.vocab_size)
+        if why is not None:  # sampled elsewhere, it must pass the masks a token sampled here would
+            allowed = "a token the request's constraints allow"
+            raise InvalidKVImport("first_token", allowed, f"{plan.first_token}: {why}")
+        req.num_imported_tokens = len(token_ids)
         if self.spec is not None and hasattr(self.spec.draft, "imported"):
             # the MTP drafter needs the target's hidden state at the last prompt position: its first
             # step computes that position again (the same bits, in the request's own block)
-            req.num_computed_tokens -= 1
-            self.spec.draft.imported(req.request_id, req.num_computed_tokens)
-        # imported KV was computed elsewhere (maybe in another dtype): a salt keeps local requests
-        # from hitting it in the prefix cache, so a hit never changes a local request's output
-        req.cache_salt = b"kv-import:" + plan.source_dtype.encode()
-        self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.cache_salt)
+            req.num_imported_tokens -= 1
+        # imported KV was computed elsewhere: its own salt keeps every other request from resuming
+        # from its blocks (a preempted import recomputing here still resumes from its own)
+        req.cache_salt = b"kv-import:" + plan.transfer_id.encode()
         self.requests[request_id] = [req]
         self.output.append_token(req, plan.first_token, None, 0.0)
         self._touched.add(request_id)
-        if not req.is_finished:
-            self.kv.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
+        if req.is_finished:  # its first token ended it: the span's prefill served it whole
+            self.prefills["remote"] += 1
+        else:
+            req.kv_import = plan  # its blocks and slot come when the scheduler admits it
             self.scheduler.add(req)
-        self.num_kv_imports += 1
         return request_id
-
-    def check_request(self, token_ids: list[int], params: SamplingParams) -> list[list[int]]:
-        """Every check of a request against this model, before it may reach a step (ValueError);
-        returns its bad words as token ids. The server calls it too, before it answers."""
-        vocab = self.model_config.vocab_size
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, which leaves no room to generate within "
-                f"max_model_len={self.max_model_len}"
-            )
-        params.check_token_ids(vocab)
-        if params.structured_outputs is not None:
-            self.structured.compile(params.structured_outputs)  # GrammarError (a ValueError) if it does not compile
-        return self._bad_words_token_ids(params.bad_words)
 
     def _attach_grammar(self, req: Request) -> None:
         spec = req.params.structured_outputs
@@ -220,20 +201,6 @@ class LLMEngine:
             req.matcher = self.structured.matcher(spec)
         if self.spec is not None and req.sampling_seed is None:  # drafts and verification share its noise
             req.sampling_seed = int(torch.randint(1 << 62, ()))
-
-    def _bad_words_token_ids(self, words: list[str] | None) -> list[list[int]]:
-        """Each bad word as token ids, with and without a leading space (as vLLM bans them)."""
-        if not words:
-            return []
-        if self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer; this model has none")
-        out: list[list[int]] = []
-        for word in words:
-            for text in (word.strip(), " " + word.strip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
 
     def abort_request(self, request_id: str) -> None:
         for req in self.requests.pop(request_id, []):
@@ -252,10 +219,22 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled request by one forward pass. If the pass raises, the requests
         of this step are aborted (their blocks freed) and StepFailed names them; the engine stays
-        usable for everything else."""
+        usable for everything else: nothing of the failed step is left behind."""
+        return self.run(self.schedule())
+
+    def schedule(self) -> SchedulerOutput:
+        """The step's batch, with the imports it admitted written into their blocks."""
         batch = self.scheduler.schedule()
+        self.prefills["local"] += len(batch.dropped_imports)
+        for req in batch.imported:
+            self._write_import(batch, req)
+        return batch
+
+    def run(self, batch: SchedulerOutput) -> list[RequestOutput]:
+        """The forward, sampling and bookkeeping of a scheduled batch (`step` = schedule + run)."""
         if not batch.scheduled:
             return self._outputs(batch)
+        self.num_steps_with_work += 1
         try:
             return self._execute(batch)
         except Exception as e:
@@ -263,6 +242,25 @@ class LLMEngine:
             for rid in failed:
                 self.abort_request(rid)
             raise StepFailed(failed) from e
+
+    def _write_import(self, batch: SchedulerOutput, req: Request) -> None:
+        """Write an admitted import into the blocks the scheduler gave it; if that fails, what it
+        took goes back and the request is prefilled here instead."""
+        plan, req.kv_import = req.kv_import, None
+        try:
+            self.faults.hit("import_alloc", [req])
+            self.handoff.apply(req, plan, self.faults)
+            if req.num_imported_tokens < len(plan.prompt_token_ids):  # the MTP drafter's own bookkeeping
+                self.spec.draft.imported(req.request_id, req.num_computed_tokens)
+        except Exception:
+            logger.exception("request %s: writing its imported KV failed; prefilling it here", req.request_id)
+            self.scheduler.fall_back_to_prefill(batch, req)
+            self.num_kv_imports_failed += 1
+            self.prefills["local"] += 1
+            return
+        self.prefills["remote"] += 1
+        self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.cache_salt)
+        self.kv.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
 
     def _execute(self, batch: SchedulerOutput) -> list[RequestOutput]:
         # the masks of constrained rows that sample this step, computed while the model runs
@@ -272,8 +270,18 @@ class LLMEngine:
             if s.request.matcher is not None and s.start + s.num_new_tokens >= s.request.num_tokens
         ]
         masks = self.structured.start_masks(constrained) if constrained else None
+        try:
+            self._run(batch, masks)
+        finally:
+            if masks is not None:  # the grammar thread is done with this step's matchers, whatever raised
+                futures.wait([masks])
+        return self._outputs(batch)
+
+    def _run(self, batch: SchedulerOutput, masks: futures.Future | None) -> None:
+        requests = [s.request for s in batch.scheduled]
         start = time.perf_counter()
         out = self.runner.execute(batch)
+        self.faults.hit("forward", requests)
         for s in batch.scheduled:
             r = s.request
             r.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)  # drafts count once accepted
@@ -281,25 +289,26 @@ class LLMEngine:
         for rid, (a, b) in out.prompt_rows.items():
             record_prompt_logprobs(next(s for s in batch.scheduled if s.request.request_id == rid), out.logits[a:b])
         to_sample = [s for s in batch.scheduled if s.request.request_id in out.sample_rows]
+        exports: list[tuple[Request, int]] = []  # prefill-only requests of this step, and their first token
         with self.scheduler.keep_blocks():
             if to_sample:
-                self._sample(out, to_sample, masks)
+                self._sample(out, to_sample, masks, exports)
             if self.spec is not None and all(s.is_decode for s in batch.scheduled):  # forward and sampling
                 self.spec.observe_step(batch.num_batched_tokens, time.perf_counter() - start)
             if self.spec is not None:
+                self.faults.hit("spec", requests)
                 self.spec.after_step(batch, out.hidden)  # inside: requests that just finished still have blocks
-            for req, first_token in self._exports:  # after the drafter's update: its layer's KV goes too
+            for req, first_token in exports:  # after the drafter's update: its layer's KV goes too
+                self.faults.hit("export", [req])
                 req.kv_span = self.handoff.export(req.request_id, req.prompt_token_ids, first_token, req.export_kv)
-            self._exports.clear()
         for s in batch.scheduled:
             if not s.request.is_finished and s.request.export_kv is None:  # exports keep every position
                 self.kv.remove_skipped_blocks(s.request.request_id, s.request.num_computed_tokens)
         if self.spec is not None:
             self.spec.release(self._live_requests())
             self.spec.propose(self.scheduler.running)
-        return self._outputs(batch)
 
-    def _sample(self, out: ModelOutput, to_sample: list[ScheduledRequest], masks) -> None:
+    def _sample(self, out: ModelOutput, to_sample: list[ScheduledRequest], masks, exports: list) -> None:
         """A token for each request that takes one (and one per draft it verifies), appended."""
         rows, reqs, offsets = [], [], []
         for s in to_sample:
@@ -309,12 +318,13 @@ class LLMEngine:
                 reqs.append(s.request)
                 offsets.append(j)
         logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[torch.tensor(rows)]
+        self.faults.hit("sample", reqs)
         result = sample(logits, reqs, masks.result() if masks is not None else None, offsets)
         i = 0
         for s in to_sample:
             n = len(s.spec_token_ids) + 1
             if n == 1 or result.dead[i]:
-                self._take_token(s.request, result, i)
+                self._take_token(s.request, result, i, exports)
             else:
                 rows_of = slice(i, i + n)
                 accepted = accept_drafts(
@@ -329,14 +339,15 @@ class LLMEngine:
                 self.spec.record(s.request, n - 1, accepted)
             i += n
 
-    def _take_token(self, req: Request, result, i: int) -> None:
+    def _take_token(self, req: Request, result, i: int, exports: list) -> None:
         if result.dead[i]:  # its grammar, allowed_token_ids, bad words, ... left no token
             why = req.matcher.get_error() if req.matcher is not None and req.matcher.is_error() else "none is left"
             req.error = f"no token satisfies the request's constraints (structured output, allowed tokens): {why}"
             self.scheduler.finish(req, "stop")
             return
+        self.faults.hit("output", [req])
         if req.export_kv is not None and req.num_output_tokens == 0:
-            self._exports.append((req, result.token_ids[i]))
+            exports.append((req, result.token_ids[i]))
         self.output.append_token(req, result.token_ids[i], result.logprobs[i], result.sampled_logprobs[i])
         if req.export_kv is not None and not req.is_finished:
             self.scheduler.finish(req, "length")  # a prefill-only request ends at its first token

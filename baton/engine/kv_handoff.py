@@ -6,9 +6,13 @@ as each rank's share on import."""
 from __future__ import annotations
 
 import os
+import time
 
 from baton.config import EngineConfig
+from baton.engine.faults import Faults
+from baton.engine.request import Request
 from baton.handoff import wire
+from baton.handoff.replay import TransferLedger
 from baton.handoff.span import model_fingerprint
 from baton.handoff.transfer import apply_import, export_span
 from baton.handoff.validate import ImportPlan, plan_import
@@ -30,6 +34,8 @@ class KVHandoff:
         # spans are signed and checked with this key: without a configured secret, a random one
         # per process, so only this process can import what it exported
         self.secret = config.kv_secret_bytes() or _PROCESS_KV_SECRET
+        self.span_ttl_s = config.kv_transfer.kv_span_ttl_s
+        self.ledger = TransferLedger(self.span_ttl_s)  # transfer ids imported here: each at most once
         self.vocab_size = mc.vocab_size
         self.heads_spec: KVSpec | None = None
         self.read = self.read_state = None
@@ -40,7 +46,8 @@ class KVHandoff:
             self.read_state = ranks.state_reader(self.states, self.heads_spec)
 
     def plan(self, blob: bytes, expected_tokens: list[int] | None) -> ImportPlan:
-        """Every check of a KV span against this worker (InvalidKVImport); writes nothing."""
+        """Every check of a KV span against this worker (InvalidKVImport); writes nothing and reads
+        no state the engine thread changes, so it runs on any thread (the server's verify thread)."""
         return plan_import(
             blob,
             secret=self.secret,
@@ -49,13 +56,16 @@ class KVHandoff:
             kv_dtype=self.storage.dtype,
             vocab_size=self.vocab_size,
             expected_tokens=expected_tokens,
+            ledger=self.ledger,
             heads_spec=self.heads_spec,
         )
 
-    def apply(self, request_id: str, plan: ImportPlan) -> None:
-        written = apply_import(self.kv, self.storage, self.states, request_id, plan)
+    def apply(self, req: Request, plan: ImportPlan, faults: Faults) -> None:
+        """Write an admitted import (its blocks and slot are allocated), on every rank."""
+        written = apply_import(self.kv, self.storage, self.states, req.request_id, plan)
+        faults.hit("import_write", [req])
         if self.ranks is not None:
-            slot = self.kv.state_slots.get(request_id)
+            slot = self.kv.state_slots.get(req.request_id)
             self.ranks.write_kv(written, [[gid, j, slot, t] for gid, j, t in plan.states])
 
     def export(self, request_id: str, prompt_token_ids: list[int], first_token: int, fmt: str) -> bytes:
@@ -71,4 +81,5 @@ class KVHandoff:
             self.read,
             self.read_state,
         )
+        span.expires_at = time.time() + self.span_ttl_s
         return wire.encode(span, self.secret)

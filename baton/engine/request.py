@@ -66,6 +66,10 @@ class Request:
         self.num_preemptions = 0
         self.export_kv: str | None = None  # "grouped" / "dense": export the prompt KV after prefill
         self.kv_span: bytes | None = None
+        # a validated import (handoff.validate.ImportPlan) waiting for admission, and the positions
+        # it makes computed once written
+        self.kv_import = None
+        self.num_imported_tokens = 0
         self.cache_salt = b""  # part of every block hash: requests with different salts never share blocks
         self.bad_words_token_ids: list[list[int]] = []  # params.bad_words, tokenized by the engine
         self.matcher = None  # structured outputs: the llguidance matcher of params.structured_outputs

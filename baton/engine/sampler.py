@@ -78,6 +78,29 @@ def _apply_token_constraints(logits: torch.Tensor, reqs: list[Request]) -> None:
                 logits[i, banned] = float("-inf")
 
 
+def _apply_constraints(logits: torch.Tensor, reqs: list[Request], offsets: list[int]) -> None:
+    """-inf wherever a request forbids a token: allowed_token_ids, bad words, stop tokens before
+    min_tokens (logit_bias only shifts)."""
+    if any(r.params.logit_bias or r.params.allowed_token_ids is not None or r.bad_words_token_ids for r in reqs):
+        _apply_token_constraints(logits, reqs)
+    for i, req in enumerate(reqs):
+        if req.num_output_tokens + offsets[i] < req.params.min_tokens and req.stop_token_ids:
+            logits[i, list(req.stop_token_ids)] = float("-inf")
+
+
+def forbidden(req: Request, token: int, vocab_size: int) -> str | None:
+    """Why the request's constraints rule out `token` as its next token (None: the sampler could
+    choose it). A token sampled elsewhere (a KV span's first token) passes the same masks as one
+    sampled here, its grammar included."""
+    row = torch.zeros(1, vocab_size)
+    _apply_constraints(row, [req], [0])
+    if not torch.isfinite(row[0, token]):
+        return "allowed_token_ids, bad_words or min_tokens rule it out"
+    if req.matcher is not None and req.matcher.validate_tokens([token]) != 1:
+        return "the structured output rules it out"
+    return None
+
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -139,11 +162,7 @@ def sample(
         apply_token_bitmask_(logits, rows, grammar.bitmask)
     if any(r.params.uses_penalties for r in reqs):
         _apply_penalties(logits, reqs)
-    if any(r.params.logit_bias or r.params.allowed_token_ids is not None or r.bad_words_token_ids for r in reqs):
-        _apply_token_constraints(logits, reqs)
-    for i, req in enumerate(reqs):
-        if req.num_output_tokens + offsets[i] < req.params.min_tokens and req.stop_token_ids:
-            logits[i, list(req.stop_token_ids)] = float("-inf")
+    _apply_constraints(logits, reqs, offsets)
     dead = (~torch.isfinite(logits).any(dim=1)).tolist()
     chosen = logits.argmax(dim=1)
     random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy and not dead[i]]

@@ -32,6 +32,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    imported: list[Request] = field(default_factory=list)  # admitted imports: write their KV before the forward
+    dropped_imports: list[Request] = field(default_factory=list)  # imports turned into local prefills
 
     @property
     def num_batched_tokens(self) -> int:
@@ -98,6 +100,14 @@ class Scheduler:
             if not req.ready_to_schedule():
                 skipped.append(req)
                 continue
+            if req.kv_import is not None:
+                admitted = self._admit_import(out, req, budget)
+                if admitted is None:
+                    self.waiting.appendleft(req)
+                    break
+                if admitted:
+                    budget -= out.scheduled[-1].num_new_tokens
+                    continue
             cached = kv_tokens = 0
             if req.num_computed_tokens == 0 and not req.needs_prompt_logits and self.kv.enable_prefix_caching:
                 hit = self.kv.find_cached_prefix(req.request_id, req.token_ids, req.cache_salt)
@@ -123,6 +133,37 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def _admit_import(self, out: SchedulerOutput, req: Request, budget: int) -> bool | None:
+        """An imported request takes its blocks and slot here, under the rules every request
+        follows: True once admitted, None to wait, False once dropped to a local prefill (when
+        nothing runs, nothing will free the room it lacks; a local prefill takes it in chunks)."""
+        num_new = req.num_tokens - req.num_imported_tokens
+        if num_new > budget:
+            return None
+        if not self.kv.allocate_for_import(req.request_id, req.num_imported_tokens, req.num_tokens):
+            if self.running or out.scheduled:
+                return None
+            req.kv_import = None
+            out.dropped_imports.append(req)
+            return False
+        req.num_computed_tokens = req.num_imported_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.imported.append(req)
+        out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
+        return True
+
+    def fall_back_to_prefill(self, out: SchedulerOutput, req: Request) -> None:
+        """An admitted import that could not be written: what it took goes back, and it waits at the
+        head to compute its tokens here (as a preempted request recomputes)."""
+        out.scheduled = [s for s in out.scheduled if s.request is not req]
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.kv_import = None
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
 
     def _wait_for_shared_prefix(self, req: Request, cached: int) -> bool:
         """Whether `req` should wait for a running request still prefilling a longer prefix it

@@ -6,6 +6,10 @@ groups the last `window` positions); *dense* spans one K and one V tensor over a
 positions, as a producer that knows nothing of groups would send. Axes are named by `layout`, a
 permutation of "LTHD" (layer, token position, KV head, head dim).
 
+Every span names a transfer id (random, 32 hex digits) and an expiry (unix seconds), signed with
+the rest: an importer takes a transfer id at most once, and no span after its expiry, so a span
+captured on the way cannot be replayed.
+
 Recurrent layers travel as `state` tensors: per state group and state tensor (`index`), the state
 of its layers after the whole prompt, [layers, *state shape] in float32, with `start` = n (the
 position the state is at). MLA layers' K holds their latent per token and their V is empty.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +67,9 @@ class KVSpan:
     layout: str
     dtype: str
     tensors: list[SpanTensor] = field(default_factory=list)
+    # signed with the rest: a span is imported at most once, and never after it expires
+    transfer_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    expires_at: float = 0.0  # unix seconds
 
     @property
     def num_positions(self) -> int:

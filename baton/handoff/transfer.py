@@ -114,10 +114,9 @@ def _out(t: torch.Tensor, layout: str) -> torch.Tensor:
 def apply_import(
     kv: KVManager, storage: KVStorage, states: StateStorage, request_id: str, plan: ImportPlan
 ) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Allocate and write; only called with a plan that `plan_import` has checked. Returns each
-    group's (id, slots, K, V) with every head: tensor parallel's other ranks write their heads."""
-    if not kv.allocate_for_import(request_id, len(plan.prompt_token_ids)):
-        raise RuntimeError("free blocks vanished between validation and import")  # single owner: cannot happen
+    """Write a plan that `plan_import` has checked into the blocks and state slot the scheduler
+    allocated for it (`KVManager.allocate_for_import`). Returns each group's (id, slots, K, V)
+    with every head: tensor parallel's other ranks write their heads."""
     for gid, j, t in plan.states:
         states.write_state(kv.state_slots[request_id], gid, j, t)
     written = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +21,15 @@ import torch
 
 from baton.handoff import wire
 from baton.handoff.errors import InvalidKVImport
+from baton.handoff.replay import TransferLedger
 from baton.handoff.span import AXES, SCALE_KINDS, SPAN_DTYPES, to_layout
 from baton.kv.manager import KVManager
 from baton.kv.prefix import needed_start, resumable_prefix
 from baton.kv.spec import STATE_DTYPE, KVGroup, KVSpec
 
 __all__ = ["GroupWrite", "ImportPlan", "InvalidKVImport", "plan_import"]  # InvalidKVImport: old import path
+
+_HEX32 = re.compile("[0-9a-f]{32}")
 
 
 @dataclass
@@ -41,9 +45,9 @@ class GroupWrite:
 class ImportPlan:
     prompt_token_ids: list[int]
     first_token: int
-    source_dtype: str
     writes: list[GroupWrite]
     states: list[tuple[int, int, torch.Tensor]]  # (state group, state tensor index, [layers, *shape] float32)
+    transfer_id: str
 
 
 @dataclass
@@ -101,8 +105,20 @@ def check_fingerprint(theirs: Any, ours: dict) -> None:
     _check(not extra, f"fingerprint.{extra[0] if extra else ''}", "no such key", extra[:8])
 
 
-def check_header(header: dict, fingerprint: dict, vocab_size: int, expected_tokens: list[int] | None) -> None:
+def check_header(
+    header: dict, fingerprint: dict, vocab_size: int, expected_tokens: list[int] | None, ledger: TransferLedger
+) -> None:
     _check(_same(header.get("version"), wire.VERSION), "version", wire.VERSION, header.get("version"))
+    tid = header.get("transfer_id")
+    _check(isinstance(tid, str) and _HEX32.fullmatch(tid) is not None, "transfer_id", "32 hex digits", tid)
+    expires = header.get("expires_at")
+    _check(
+        isinstance(expires, (int, float)) and not isinstance(expires, bool) and math.isfinite(expires),
+        "expires_at",
+        "unix seconds",
+        expires,
+    )
+    ledger.check_expiry(expires)
     check_fingerprint(header.get("fingerprint"), fingerprint)
     layout = header.get("layout")
     _check(isinstance(layout, str) and sorted(layout) == sorted(AXES), "layout", f"a permutation of {AXES}", layout)
@@ -205,6 +221,14 @@ def check_tensor(i: int, e: Any, n: int, layout: str, receiver: _Receiver, body:
     return _Source(kind, layers, start, starts, dtype, shape, raw, e.get("index"))
 
 
+def _check_finite(t: torch.Tensor, field: str) -> None:
+    """Every value a number: a NaN or infinity written into the cache would spread through every
+    later token of the request (and of any request resuming from its blocks)."""
+    if t.is_floating_point():
+        bad = int(t.numel() - torch.isfinite(t).sum())
+        _check(bad == 0, field, "finite values", f"{bad} NaN or infinite")
+
+
 def _values(src: _Source, sources: dict) -> torch.Tensor:
     """A K or V tensor's values in the span's layout: fp8 codes times their scales as float32."""
     t = wire.tensor_from_bytes(src.raw, SPAN_DTYPES[src.dtype], src.shape)
@@ -229,10 +253,13 @@ def plan_import(
     kv_dtype: torch.dtype,
     vocab_size: int,
     expected_tokens: list[int] | None,
+    ledger: TransferLedger,
     heads_spec: KVSpec | None = None,
 ) -> ImportPlan:
+    """Pure over the receiver's spec and pool sizes (it may run beside the engine thread); the
+    transfer id is taken only once every other check passed."""
     header, body = wire.read_header(blob, secret)
-    check_header(header, fingerprint, vocab_size, expected_tokens)
+    check_header(header, fingerprint, vocab_size, expected_tokens, ledger)
     spec = kv.spec
     n = len(header["prompt_token_ids"])
     layout = header["layout"]
@@ -287,12 +314,11 @@ def plan_import(
     # the one rule for what a prefix can resume from (kv/prefix.py), asked about the whole prompt
     if resumable_prefix(spec, [n], has_positions, has_state) != n:
         raise problems[0] if problems else InvalidKVImport("positions", f"KV and state for all {n} positions", "less")
-    needed = kv.blocks_for_import(n)
+    # the blocks are taken when the scheduler admits the request; here: could the pool ever hold it
+    needed = kv.blocks_for_import(n, n + 1)
     for g, blocks in zip(spec.groups, needed):
-        free = kv.num_free_blocks(g.group_id)
-        _check(blocks <= free, "free_blocks", f">= {blocks} free in group {g.group_id}", free)
-    if spec.has_state:
-        _check(len(kv.free_slots) > 0, "free_state_slots", ">= 1 free recurrent-state slot", 0)
+        size = kv.pools[g.group_id].num_blocks
+        _check(blocks <= size, "kv_capacity", f"a pool of >= {blocks} blocks in group {g.group_id}", size)
     writes = []
     for g in spec.groups:
         need = needed_start(g, n)
@@ -304,13 +330,16 @@ def plan_import(
                 t = t[list(g.layer_ids)]
             t = t[:, need - src.start :]  # only real positions
             out[kind] = t.to(torch.float32 if kv_dtype == torch.float8_e4m3fn else kv_dtype).contiguous()
+            _check_finite(out[kind], f"{kind}.values")  # in the receiver's dtype: float16 overflows too
         writes.append(GroupWrite(g.group_id, np.arange(need, n), out["k"], out["v"]))
     state_writes = []
     for gid, j, src in states:
         t = wire.tensor_from_bytes(src.raw, SPAN_DTYPES[src.dtype], src.shape)
         if src.layer_ids != spec.state_groups[gid].layer_ids:  # all recurrent layers: pick this group's
             t = t[[src.layer_ids.index(i) for i in spec.state_groups[gid].layer_ids]]
-        state_writes.append((gid, j, t.to(STATE_DTYPE).contiguous()))
-    dtypes = sorted({s.dtype for s in sources.values() if s.kind in SCALE_KINDS})
+        t = t.to(STATE_DTYPE).contiguous()
+        _check_finite(t, "state.values")
+        state_writes.append((gid, j, t))
     tokens = list(header["prompt_token_ids"])
-    return ImportPlan(tokens, header["first_token"], "+".join(dtypes), writes, state_writes)
+    ledger.claim(header["transfer_id"], header["expires_at"])
+    return ImportPlan(tokens, header["first_token"], writes, state_writes, header["transfer_id"])

@@ -1,6 +1,6 @@
 """KVSpan <-> bytes: a magic, a JSON header, each tensor's raw little-endian bytes, a signature. No pickle.
 
-    b"BATONKV2" | u32 LE header length | header (UTF-8 JSON) | u64 LE xxh64 of the header | tensors
+    b"BATONKV3" | u32 LE header length | header (UTF-8 JSON) | u64 LE xxh64 of the header | tensors
         | HMAC-SHA256(secret, every byte before it) (32 bytes)
 
 The header lists each tensor's kind, layers, start position, shape, dtype, byte offset and length
@@ -25,8 +25,8 @@ import xxhash
 from baton.handoff.errors import InvalidKVImport
 from baton.handoff.span import KVSpan, SpanTensor
 
-MAGIC = b"BATONKV2"
-VERSION = 2
+MAGIC = b"BATONKV3"
+VERSION = 3
 HMAC_BYTES = 32
 MIN_SPAN_BYTES = len(MAGIC) + 4 + 8 + HMAC_BYTES
 # a legitimate header is ~7 bytes per prompt token: 16 MiB is prompts of two million tokens
@@ -82,6 +82,8 @@ def encode(span: KVSpan, secret: bytes) -> bytes:
         "first_token": span.first_token,
         "layout": span.layout,
         "dtype": span.dtype,
+        "transfer_id": span.transfer_id,
+        "expires_at": span.expires_at,
         "tensors": entries,
     }
     return frame(header, b"".join(body), secret)
@@ -187,6 +189,8 @@ def build_span(header: dict, tensors: list[torch.Tensor]) -> KVSpan:
         first_token=int(header["first_token"]),
         layout=header["layout"],
         dtype=header["dtype"],
+        transfer_id=header["transfer_id"],
+        expires_at=header["expires_at"],
         tensors=[
             SpanTensor(e["kind"], tuple(e["layer_ids"]), int(e["start"]), t, e.get("layer_starts"), e.get("index"))
             for e, t in zip(header["tensors"], tensors)

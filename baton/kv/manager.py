@@ -341,25 +341,26 @@ class KVManager:
             for pool in self.pools:
                 pool.drop_cached(h)
 
-    def blocks_for_import(self, num_tokens: int) -> list[int]:
-        """Blocks per group that `allocate_for_import` takes for a prompt of num_tokens."""
+    def blocks_for_import(self, num_imported: int, num_tokens: int) -> list[int]:
+        """Blocks per group that `allocate_for_import` takes."""
         total = -(-num_tokens // self.block_size)
-        return [total - self._window_start_block(g, num_tokens) for g in self.spec.groups]
+        return [total - self._window_start_block(g, num_imported) for g in self.spec.groups]
 
-    def allocate_for_import(self, request_id: str, num_tokens: int) -> bool:
-        """Tables for positions [0, num_tokens) whose KV comes from elsewhere: sliding groups get
-        blocks only for the window the next query reads. All-or-nothing, like allocate_slots."""
-        need = self.blocks_for_import(num_tokens)
+    def allocate_for_import(self, request_id: str, num_imported: int, num_tokens: int) -> bool:
+        """Tables for positions [0, num_tokens) of which [0, num_imported) come from elsewhere:
+        sliding groups get blocks only for the window the next query reads. All-or-nothing, like
+        allocate_slots; called by the scheduler when it admits an imported request."""
+        need = self.blocks_for_import(num_imported, num_tokens)
         if request_id in self.block_tables or any(n > p.num_free for n, p in zip(need, self.pools)):
             return False
-        if self.spec.has_state:  # the span brings the state at num_tokens: no restore
+        if self.spec.has_state:  # the span brings the state at num_imported: no restore
             if not self.free_slots:
                 return False
             self.state_slots[request_id] = self.free_slots.popleft()
-            self._prompt_boundary[request_id] = (num_tokens - 1) // self.block_size * self.block_size
+            self._prompt_boundary[request_id] = (num_imported - 1) // self.block_size * self.block_size
         tables = []
         for g, n in zip(self.spec.groups, need):
-            first = self._window_start_block(g, num_tokens)
+            first = self._window_start_block(g, num_imported)
             tables.append([NULL_BLOCK] * first + self.pools[g.group_id].allocate(n))
         self.block_tables[request_id] = tables
         return True

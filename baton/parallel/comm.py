@@ -106,27 +106,31 @@ def backend_for(parallel: ParallelConfig) -> str:
     return "gloo"
 
 
-def init_process_group(parallel: ParallelConfig, rank: int) -> TPGroup:
-    """Join the world (torchrun's conventions: rank 0 listens at master_addr:master_port) and
-    return this rank's tensor-parallel group. Ranks r*tp .. r*tp + tp - 1 form pipeline stage r."""
+def init_process_group(parallel: ParallelConfig, rank: int, listener: socket.socket | None = None) -> TPGroup:
+    """Join the world (torchrun's conventions: rank 0 listens at master_addr:master_port, on
+    `listener` when it bound one already) and return this rank's tensor-parallel group. Ranks
+    r*tp .. r*tp + tp - 1 form pipeline stage r."""
     backend = backend_for(parallel)
     if ipaddress.ip_address(socket.gethostbyname(parallel.master_addr)).is_loopback:
         # gloo picks the hostname's interface unless told; ranks on one host talk over loopback only
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
-        backend, store=_store(parallel, rank), rank=rank, world_size=parallel.world_size, timeout=COLLECTIVE_TIMEOUT
+        backend,
+        store=_store(parallel, rank, listener),
+        rank=rank,
+        world_size=parallel.world_size,
+        timeout=COLLECTIVE_TIMEOUT,
     )
     tp = parallel.tensor_parallel_size
     groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(parallel.pipeline_parallel_size)]
     return TPGroup(rank % tp, tp, groups[rank // tp])
 
 
-def _store(parallel: ParallelConfig, rank: int) -> dist.TCPStore:
-    """The rendezvous store, rank 0 listening on master_addr only (torch's own binds every
-    interface): with the default 127.0.0.1, nothing off this host can reach it."""
-    addr, port = parallel.master_addr, parallel.master_port
-    if rank != 0:
-        return dist.TCPStore(addr, port, parallel.world_size, False, COLLECTIVE_TIMEOUT)
+def listen(parallel: ParallelConfig) -> socket.socket:
+    """Rank 0's rendezvous socket on master_addr only (torch's own store binds every interface):
+    with the default 127.0.0.1, nothing off this host can reach it. Port: master_port, else a free
+    one (read back from the socket), so two engines on one host never collide."""
+    addr, port = parallel.master_addr, parallel.master_port or 0
     sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -135,6 +139,16 @@ def _store(parallel: ParallelConfig, rank: int) -> dist.TCPStore:
         sock.close()
         raise ValueError(f"cannot listen on master_addr {addr}:{port} for the ranks: {e.strerror}") from None
     sock.listen(128)
+    return sock
+
+
+def _store(parallel: ParallelConfig, rank: int, listener: socket.socket | None) -> dist.TCPStore:
+    addr = parallel.master_addr
+    if rank != 0:
+        assert parallel.master_port is not None, "the driver passes its port to the other ranks"
+        return dist.TCPStore(addr, parallel.master_port, parallel.world_size, False, COLLECTIVE_TIMEOUT)
+    sock = listener or listen(parallel)
+    port = sock.getsockname()[1]
     store = dist.TCPStore(addr, port, parallel.world_size, True, COLLECTIVE_TIMEOUT, master_listen_fd=sock.fileno())
     _LISTENERS.append(sock)  # the store serves on this socket's descriptor: keep it open
     return store

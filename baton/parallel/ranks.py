@@ -7,6 +7,7 @@ heads' weights, KV and state, and run what the driver sends (`baton/parallel/wor
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from baton.kv.spec import KVSpec
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
 from baton.parallel import messages
-from baton.parallel.comm import TPGroup, destroy_process_group, init_process_group
+from baton.parallel.comm import TPGroup, destroy_process_group, init_process_group, listen
 from baton.parallel.pipeline import Stage
 
 logger = logging.getLogger(__name__)
@@ -77,10 +78,19 @@ class Ranks:
         parallel = config.parallel
         if parallel.node_rank != 0:
             raise ValueError("only node 0 runs the engine; start other nodes with `baton serve --node-rank N`")
-        procs = spawn_ranks(config, range(1, parallel.ranks_per_node))
+        listener = listen(parallel)
+        # a free port unless one was given: the other ranks learn it from their copy of the config
+        parallel = dataclasses.replace(parallel, master_port=listener.getsockname()[1])
+        config = dataclasses.replace(config, parallel=parallel)
         try:
-            tp = init_process_group(parallel, 0)
+            procs = spawn_ranks(config, range(1, parallel.ranks_per_node))
         except BaseException:
+            listener.close()
+            raise
+        try:
+            tp = init_process_group(parallel, 0, listener)
+        except BaseException:
+            listener.close()
             for p in procs:
                 p.kill()
             raise

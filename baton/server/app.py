@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from baton.config import ServerConfig
 from baton.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
-from baton.handoff.transport import SPAN_MEDIA_TYPE, SpanStore
+from baton.handoff.transport import SPAN_MEDIA_TYPE, SpanStore, SpanStoreFull
 from baton.http import INTERNAL_PREFIX, APIError, Guard, error_response, install_error_handlers, unless_hung_up
 from baton.server.metrics import ServerMetrics
 from baton.server.protocol import (
@@ -34,10 +34,14 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, model_name: str) 
     engine = async_engine.engine
     kv_transfer = engine.config.kv_transfer
     role = kv_transfer.kv_role
-    internal_key = engine.config.internal_key()
+    internal_key = engine.config.internal_key(config.api_key)
     metrics = ServerMetrics(async_engine)
     served = config.served_model_name or model_name
-    spans = SpanStore(max_bytes=kv_transfer.max_parked_kv_bytes)
+    spans = SpanStore(
+        max_bytes=kv_transfer.max_parked_kv_bytes,
+        max_uploads=kv_transfer.max_kv_uploads,
+        ttl_s=kv_transfer.kv_span_ttl_s,
+    )
     serving = OpenAIServing(async_engine, metrics, served, spans, config)
 
     @asynccontextmanager
@@ -65,7 +69,8 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, model_name: str) 
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if async_engine.running and not async_engine.dead else 503)
+        healthy = async_engine.running and not async_engine.dead and not async_engine.stalled
+        return Response(status_code=200 if healthy else 503)
 
     @app.get("/v1/models")
     async def models():
@@ -109,8 +114,11 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, model_name: str) 
         @app.post(INTERNAL_PREFIX + "kv")
         async def internal_kv(request: Request):
             """Park a KV span until the request naming its transfer id arrives (the router's second leg).
-            Parking checks only the size; the engine checks the signature and everything else at import."""
-            return {"kv_transfer_id": spans.put(await request.body())}
+            Parking checks only the sizes; the engine checks the signature and everything else at import."""
+            try:
+                return {"kv_transfer_id": await spans.receive(request.stream())}
+            except SpanStoreFull as e:
+                raise APIError(503, f"no room for a KV span now: {e}", headers={"Retry-After": "1"}) from None
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

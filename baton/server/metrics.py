@@ -21,13 +21,14 @@ class EngineCollector:
         e = self.engine
         a = self.async_engine
         prefills = CounterMetricFamily("baton_prefills", "Prompts prefilled, by where", labels=["where"])
-        prefills.add_metric(["remote"], a.remote_prefills)
-        prefills.add_metric(["local"], a.local_prefills)
+        prefills.add_metric(["remote"], e.prefills["remote"])
+        prefills.add_metric(["local"], e.prefills["local"])
         yield prefills
         yield CounterMetricFamily(
             "baton_kv_imports_rejected",
-            "KV spans refused by validation (then prefilled locally)",
-            value=a.rejected_imports,
+            "KV spans refused (validation, replay, a first token the request forbids, an unknown or "
+            "expired transfer id, a write that failed), the prompt then prefilled locally",
+            value=a.rejected_imports + a.refused_first_tokens + e.num_kv_imports_failed,
         )
         s = e.scheduler
         yield GaugeMetricFamily("baton_num_requests_running", "Requests in the running batch", value=len(s.running))
@@ -92,6 +93,11 @@ class EngineCollector:
         )
         yield GaugeMetricFamily(
             "baton_engine_alive", "1 while the engine loop runs, 0 once it stopped or died", value=int(a.running)
+        )
+        yield CounterMetricFamily(
+            "baton_engine_stalls",
+            "Times the engine made no progress for --stall-timeout-s with work pending (/health said 503)",
+            value=a.stalls,
         )
 
 

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from baton.config import ServerConfig
 from baton.engine.async_engine import AsyncEngine
-from baton.handoff.transport import SpanStore
+from baton.handoff.transport import HeldSpan, SpanStore
 from baton.http import APIError
 from baton.outputs import RequestOutput
 from baton.sampling_params import SamplingParams, StructuredOutputsParams
@@ -91,7 +91,7 @@ class OpenAIServing:
 
     def _prepare(self, prompt, body: _SamplingFields, max_tokens: int | None) -> tuple[str | None, list[int], int]:
         """Tokenize and check against the context; returns (text, ids, max_tokens resolved)."""
-        text, ids = self.engine.tokenize(prompt)
+        text, ids = self.engine.inputs.tokenize(prompt)
         limit = self.engine.max_model_len
         if not ids:
             raise ValueError("the prompt is empty")
@@ -110,14 +110,16 @@ class OpenAIServing:
         prompt_ids: list[int],
         params: SamplingParams,
         rid: str,
-        kv_span: bytes | None = None,
+        kv_span: HeldSpan | None = None,
         export_kv: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for one request, with its latency and outcome recorded."""
+        """The engine's outputs for one request, with its latency and outcome recorded; a parked
+        span it took is counted against the worker's span budget until it ends."""
         timing, last, outcome = Timing(), None, "abort"
         try:
             prompt = {"prompt_token_ids": prompt_ids}
-            async for out in self.async_engine.generate(prompt, params, rid, kv_span, export_kv):
+            blob = kv_span.blob if kv_span is not None else None
+            async for out in self.async_engine.generate(prompt, params, rid, blob, export_kv):
                 timing.saw(out)
                 last = out
                 yield out
@@ -126,6 +128,8 @@ class OpenAIServing:
             outcome = "error"
             raise
         finally:
+            if kv_span is not None:
+                kv_span.release()
             produced = sum(len(c.token_ids) for c in last.outputs) if last else 0
             e2e = time.perf_counter() - timing.start
             ttft = timing.first_token - timing.start if timing.first_token else None
@@ -176,15 +180,15 @@ class OpenAIServing:
     def _check(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> None:
         """The engine's own checks, here, so a bad request is a 4xx before any stream starts."""
         for ids, p in zip(prompt_ids, params):
-            self.engine.check_request(ids, p)
+            self.engine.inputs.check(ids, p)
 
-    def _parked_span(self, body: _SamplingFields) -> bytes | None:
+    def _parked_span(self, body: _SamplingFields) -> HeldSpan | None:
         if body.kv_transfer_id is None:
             return None
-        blob = self.spans.take(body.kv_transfer_id)
-        if blob is None:  # expired or unknown: the prompt is simply prefilled here
+        held = self.spans.take(body.kv_transfer_id)
+        if held is None:  # expired or unknown: the prompt is simply prefilled here
             self.async_engine.rejected_imports += 1
-        return blob
+        return held
 
     async def prefill(self, body: CompletionRequest | ChatCompletionRequest, rid: str, fmt: str) -> bytes:
         """Prefill one prompt and return its encoded KV span (the first token travels inside)."""
