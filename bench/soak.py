@@ -1,14 +1,21 @@
-"""Soak: N minutes of mixed, partly hostile traffic against a PD trio (prefill worker, decode worker,
-router), then what it left behind.
+"""Soak: N minutes of mixed, partly hostile traffic against a PD deployment (a prefill worker, two
+decode workers whose KV pools hold less than the offered load, a router), with the admin adding and
+removing the second decode worker during traffic; then what it left behind.
 
 Traffic, from several client threads at once: streams and non-streamed requests to the router
-(PD handoffs) and to the decode worker directly, streams the client drops mid-way, non-streamed
+(PD handoffs) and to a decode worker directly, streams the client drops mid-way, non-streamed
 requests whose client hangs up, bad requests (out-of-vocabulary ids, huge seeds, bad content
-parts, too many sequences), seeded sampled requests, and unknown transfer ids.
+parts, too many sequences), seeded sampled requests, and unknown transfer ids. Every process has
+the API key, the KV secret is its own, the worker set takes the admin key alone.
 
-Prints requests sent by kind, the status codes seen, 5xx count, leaked KV blocks and running
-requests on both workers once the traffic stops, and each worker's RSS at start (after warm-up)
-and at the end. Exit status 1 if any 5xx was seen or anything leaked.
+A watcher polls every process's /health twice a second: the longest time any of them answered
+other than 200 is the longest stall seen (the workers also count their own stalls over
+--stall-timeout-s 5 in baton_engine_stalls_total).
+
+Prints requests sent by kind, the status codes seen, 5xx count, preemptions, worker churn, the
+longest stall, leaked KV blocks and running requests on every worker once the traffic stops, and
+each process's RSS at start (after warm-up) and at the end. Exit status 1 if any 5xx was seen,
+anything leaked, or a stall passed 5 s.
 
     python bench/soak.py --minutes 20
 """
@@ -35,7 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from baton.bench.procs import free_port, stop_processes, wait_healthy  # noqa: E402
 
 KEY = secrets.token_hex(16)
+KV_SECRET = secrets.token_hex(32)
+ADMIN = secrets.token_hex(16)
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
+STALL_S = 5.0
 WORDS = "the a river engine token block cache window state prefix model batch stream quiet long road".split()
 
 
@@ -129,29 +140,69 @@ class Soak:
             time.sleep(after_s)
 
 
+class Watch:
+    """Polls /health of every process; the longest stretch each answered anything but 200."""
+
+    def __init__(self, urls: dict[str, str]) -> None:
+        self.urls = urls
+        self.longest = dict.fromkeys(urls, 0.0)
+        self.stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        down_since: dict[str, float] = {}
+        while not self.stop.wait(0.5):
+            for name, url in self.urls.items():
+                try:
+                    ok = requests.get(f"{url}/health", timeout=2).status_code == 200
+                except requests.RequestException:
+                    ok = False
+                now = time.time()
+                if ok:
+                    down_since.pop(name, None)
+                    continue
+                since = down_since.setdefault(name, now)
+                self.longest[name] = max(self.longest[name], now - since)
+
+
+def churn(router: str, worker: str, deadline: float, period_s: float, log: list[str]) -> None:
+    """The admin adds `worker` to the router's set, later removes it, and again, until the deadline."""
+    joined = False
+    while time.time() + period_s < deadline:
+        time.sleep(period_s)
+        method = requests.delete if joined else requests.post
+        r = method(f"{router}/v1/router/workers", json={"url": worker}, headers=ADMIN_AUTH, timeout=30)
+        log.append(f"{'remove' if joined else 'add'} {r.status_code}")
+        joined = not joined if r.status_code == 200 else joined
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--minutes", type=float, default=20.0)
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decode-kv-blocks", type=int, default=20, help="blocks of 64 tokens per decode worker")
+    ap.add_argument("--churn-s", type=float, default=30.0, help="seconds between the admin's joins and leaves")
     args = ap.parse_args()
-    env = {**os.environ, "BATON_KV_SECRET": KEY, "BATON_API_KEY": KEY, "BATON_LOG_LEVEL": "WARNING"}
-    serve = [sys.executable, "-m", "baton.cli", "serve", "--model", args.model, "--max-model-len", "2048"]
-    ports = {"prefill": free_port(), "decode": free_port(), "router": free_port()}
+    env = {**os.environ, "BATON_KV_SECRET": KV_SECRET, "BATON_API_KEY": KEY, "BATON_LOG_LEVEL": "WARNING"}
+    serve = [sys.executable, "-m", "baton.cli", "serve", "--model", args.model, "--stall-timeout-s", str(STALL_S)]
+    decode = ["--kv-role", "decode", "--block-size", "64", "--num-kv-blocks", str(args.decode_kv_blocks)]
+    decode += ["--max-model-len", "1024"]
+    ports = {name: free_port() for name in ("prefill", "decode", "decode2", "router")}
     url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}
     procs = {
         "prefill": subprocess.Popen([*serve, "--kv-role", "prefill", "--port", str(ports["prefill"])], **quiet),
-        "decode": subprocess.Popen(
-            [*serve, "--kv-role", "decode", "--port", str(ports["decode"]), "--block-size", "64"], **quiet
-        ),
+        "decode": subprocess.Popen([*serve, *decode, "--port", str(ports["decode"])], **quiet),
+        "decode2": subprocess.Popen([*serve, *decode, "--port", str(ports["decode2"])], **quiet),
     }
+    workers = ("prefill", "decode", "decode2")
     try:
-        for name in ("prefill", "decode"):
+        for name in workers:
             wait_healthy(url[name], procs[name], 600)
         router_cmd = [sys.executable, "-m", "baton.cli", "router", "--port", str(ports["router"])]
-        router_cmd += ["--prefill", url["prefill"], "--decode", url["decode"]]
+        router_cmd += ["--prefill", url["prefill"], "--decode", url["decode"], "--admin-key", ADMIN]
         procs["router"] = subprocess.Popen(router_cmd, **quiet)
         wait_healthy(url["router"], procs["router"], 60)
         vocab = 49152 if args.model == "smollm2-135m" else 262144
@@ -160,8 +211,10 @@ def main() -> None:
         for _ in range(10):  # warm-up: first-use allocations are not a leak
             soak.one(warm)
         rss_start = {k: rss_mib(p.pid) for k, p in procs.items()}
+        watch = Watch(url)
         deadline = time.time() + args.minutes * 60
         start = time.time()
+        churned: list[str] = []
 
         def client(i: int) -> None:
             rng = random.Random(args.seed * 1000 + i + 1)
@@ -169,26 +222,43 @@ def main() -> None:
                 soak.one(rng)
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
+        threads.append(
+            threading.Thread(target=churn, args=(url["router"], url["decode2"], deadline, args.churn_s, churned))
+        )
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         elapsed = time.time() - start
+        watch.stop.set()
         time.sleep(3)  # let aborts of the last hang-ups land
-        leaked = {k: metric(url[k], "baton_kv_blocks_used") for k in ("prefill", "decode")}
-        running = {k: metric(url[k], "baton_num_requests_running") for k in ("prefill", "decode")}
+        leaked = {k: metric(url[k], "baton_kv_blocks_used") for k in workers}
+        running = {
+            k: metric(url[k], "baton_num_requests_running") + metric(url[k], "baton_num_requests_waiting")
+            for k in workers
+        }
+        stalls = {k: metric(url[k], "baton_engine_stalls_total") for k in workers}
+        preemptions = {k: metric(url[k], "baton_preemptions_total") for k in workers}
+        remote = {k: metric(url[k], 'baton_prefills_total{where="remote"') for k in ("decode", "decode2")}
         rss_end = {k: rss_mib(p.pid) for k, p in procs.items()}
-        print(f"soak: {args.model}, {elapsed / 60:.1f} min, {args.clients} clients, PD trio + direct decode traffic")
+        print(f"soak: {args.model}, {elapsed / 60:.1f} min, {args.clients} clients, PD: 1 prefill + 2 decode workers")
+        print(f"decode KV pools: {args.decode_kv_blocks} blocks x 64 tokens; preemptions {preemptions}")
         print(f"requests sent: {sum(soak.sent.values())}  by kind: {dict(sorted(soak.sent.items()))}")
         print(f"outcomes: {dict(sorted(soak.statuses.items(), key=str))}")
         print(f"5xx: {len(soak.server_errors)}")
         for line in soak.server_errors[:10]:
             print(f"  {line}")
-        print(f"leaked KV blocks after: {leaked}   running requests after: {running}")
+        kinds = ", ".join(sorted(set(churned)))
+        print(f"admin churn of decode2 every {args.churn_s:.0f} s: {len(churned)} changes ({kinds})")
+        print(f"imported prompts: {remote}")
+        longest = max(watch.longest.values())
+        print(f"longest /health outage: {longest:.1f} s {watch.longest}; engine stalls over {STALL_S:.0f} s: {stalls}")
+        print(f"leaked KV blocks after: {leaked}   requests left after: {running}")
         for k in procs:
             growth = (rss_end[k] - rss_start[k]) / rss_start[k] * 100
             print(f"RSS {k:8s} start {rss_start[k]:8.1f} MiB  end {rss_end[k]:8.1f} MiB  ({growth:+.1f} %)")
         failed = soak.server_errors or any(leaked.values()) or any(running.values())
+        failed = failed or any(stalls.values()) or longest > STALL_S
         sys.exit(1 if failed else 0)
     finally:
         stop_processes(procs.values())
