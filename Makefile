@@ -26,8 +26,10 @@ lint: install
 	$(PY) -m ruff check baton tests bench
 	$(PY) -m ruff format --check baton tests bench
 
+# the test files in two processes, one per core and one thread each (one process leaves a core
+# idle much of the suite); servers and ranks the tests start inherit the single thread
 test: lint
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 BATON_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 generate: install
 	$(VENV)/bin/baton generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 64

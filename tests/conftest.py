@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -10,7 +11,11 @@ import torch
 from baton import LLM
 from baton.bench.hf_export import export_hf_dir
 
-torch.set_num_threads(2)
+# `make test` runs the files in two processes, one per core, with BATON_NUM_THREADS=1 (and
+# OMP_NUM_THREADS=1) set: each computes on one thread, and so do the servers and ranks it starts
+# (they inherit the environment). Run alone, a test has both cores.
+THREADS = int(os.environ.setdefault("BATON_NUM_THREADS", "2"))
+torch.set_num_threads(THREADS)
 
 
 def _words(seed: int, n: int) -> str:
