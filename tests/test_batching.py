@@ -6,7 +6,7 @@ import pytest
 
 from baton import LLM, SamplingParams
 from baton.models.fused_decode import FusedDecoder
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, _words
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -18,7 +18,8 @@ def _tokens(llm: LLM, prompts, params=PARAMS) -> list[list[int]]:
 @pytest.mark.parametrize("model", ["smollm2", pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_batch_invariance(model, request):
     base: LLM = request.getfixturevalue(model)
-    prompts = [{"prompt_token_ids": base.get_tokenizer().encode(p)} for p in PROMPTS[:7]]  # up to ~820 tokens
+    # six short prompts and one of ~200 tokens (prefilled in chunks of 64 below)
+    prompts = [{"prompt_token_ids": base.get_tokenizer().encode(p)} for p in [*PROMPTS[:6], _words(1, 20)]]
     one_at_a_time = [_tokens(base, [p])[0] for p in prompts]
     hits = base.engine.scheduler.prefix_hit_tokens
     assert _tokens(base, prompts) == one_at_a_time  # all together, on a warm prefix cache

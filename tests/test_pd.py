@@ -44,8 +44,12 @@ def pd_router(prefill: list[str], decode: list[str], span_format: str = "grouped
 def trio(request):
     model, span_format = request.param
     keyed = ("--model", model, "--api-key", KEY)
-    prefill = ServerProcess(*keyed, "--kv-role", "prefill", "--block-size", "16", env=SECRET_ENV)
-    decode = ServerProcess(*keyed, "--kv-role", "decode", "--block-size", "64", "--kv-layout", "HND", env=SECRET_ENV)
+    prefill = ServerProcess(*keyed, "--kv-role", "prefill", "--block-size", "16", env=SECRET_ENV, wait=False)
+    decode = ServerProcess(
+        *keyed, "--kv-role", "decode", "--block-size", "64", "--kv-layout", "HND", env=SECRET_ENV, wait=False
+    )
+    prefill.wait_healthy()  # the two load at once
+    decode.wait_healthy()
     router = pd_router([prefill.base_url], [decode.base_url], span_format)
     router.model = model
     yield prefill, decode, router

@@ -73,7 +73,7 @@ class Trio:
 
 @pytest.fixture(scope="module")
 def smollm2():
-    decode = ("--block-size", "16", "--num-kv-blocks", "16", "--max-model-len", "256")
+    decode = ("--block-size", "16", "--num-kv-blocks", "12", "--max-model-len", "192")
     trio = Trio(
         "smollm2-135m",
         (*decode, "--speculative-config", json.dumps({"method": "ngram"})),
@@ -102,13 +102,13 @@ def _concurrently(fn, prompts: list) -> list:
 
 
 def test_a_decode_pool_smaller_than_the_load_serves_every_request(smollm2):
-    """12 requests of 50-130 tokens and 48 outputs each against a decode pool of 256 tokens: imports
+    """12 requests of 40-100 tokens and 32 outputs each against a decode pool of 192 tokens: imports
     wait for admission, running ones are preempted and recomputed, and all give the lone text."""
-    prompts = [_words(100 + i, random.Random(i).randint(5, 12)) for i in range(12)]
-    expected = [smollm2.tokens(smollm2.decode.base_url, p, max_tokens=48) for p in prompts]
+    prompts = [_words(100 + i, random.Random(i).randint(4, 9)) for i in range(12)]
+    expected = [smollm2.tokens(smollm2.decode.base_url, p, max_tokens=32) for p in prompts]
     preempted = smollm2.decode.metric("baton_preemptions_total")
     remote = smollm2.decode.metric('baton_prefills_total{where="remote"')
-    got = _concurrently(lambda p: smollm2.tokens(smollm2.router.base_url, p, max_tokens=48), prompts)
+    got = _concurrently(lambda p: smollm2.tokens(smollm2.router.base_url, p, max_tokens=32), prompts)
     assert got == expected
     assert smollm2.decode.metric("baton_preemptions_total") > preempted  # the pool was short
     assert smollm2.decode.metric('baton_prefills_total{where="remote"') > remote

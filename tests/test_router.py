@@ -173,7 +173,9 @@ class KeyedRouter(RouterProcess):
 
 @pytest.fixture(scope="module")
 def cluster():
-    workers = [ServerProcess(*WORKER_ARGS) for _ in range(2)]
+    workers = [ServerProcess(*WORKER_ARGS, wait=False) for _ in range(2)]
+    for w in workers:  # the two load at once
+        w.wait_healthy()
     router = KeyedRouter(
         "--workers", *(w.base_url for w in workers), "--health-interval-s", "0.5", "--max-workers", "2"
     )

@@ -115,13 +115,13 @@ def test_echo_logprobs_scores_the_prompt(server, smollm2):
 
 def test_32_concurrent_streaming_chats(server, smollm2):
     questions = [f"Give one fact about the number {i}." for i in range(32)]
-    params = SamplingParams(max_tokens=20, temperature=0.0)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
     expected = [o.outputs[0].text for o in smollm2.chat([[{"role": "user", "content": q}] for q in questions], params)]
     aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=KEY)
 
     async def one(q: str) -> str:
         stream = await aclient.chat.completions.create(
-            model="smollm2-135m", messages=[{"role": "user", "content": q}], max_tokens=20, temperature=0, stream=True
+            model="smollm2-135m", messages=[{"role": "user", "content": q}], max_tokens=10, temperature=0, stream=True
         )
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 

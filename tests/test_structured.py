@@ -70,7 +70,7 @@ def test_every_output_validates_against_its_schema(model, request):
     assert llm.engine.kv.all_free()
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("model", ["smollm2", pytest.param("gemma3", marks=pytest.mark.slow)])  # gemma3: 11 s
 def test_regex_choice_and_grammars_match(model, request):
     llm: LLM = request.getfixturevalue(model)
     cases = [

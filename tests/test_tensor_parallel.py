@@ -66,13 +66,12 @@ def _same(model: str, prompts: list, layouts=((2, 1), (1, 2)), fused: bool = Tru
             torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
 
 
-@pytest.mark.slow  # 28 s; the default suite's TP parity: the PD tests between TP=1 and TP=2 below
+@pytest.mark.slow  # 28 s; the default suite's TP and PP parity: the random Llama below
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
 def test_shipped_models_tp2_and_pp2_match_one_rank(model):
     _same(model, PROMPTS, max_model_len=1024)
 
 
-@pytest.mark.slow
 def test_random_llama_with_fewer_kv_heads_than_ranks(tmp_path):
     _, path = make_model(tmp_path, "LlamaForCausalLM", num_key_value_heads=1, tie_word_embeddings=False)
     ids = [
