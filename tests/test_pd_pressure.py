@@ -216,6 +216,7 @@ def qwen3_next(tmp_path_factory):
     trio.stop()
 
 
+@pytest.mark.slow  # 35 s with its trio
 def test_a_hybrid_decode_worker_short_of_blocks_and_state_slots_serves_every_request(qwen3_next):
     rng = random.Random(5)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(40, 200))] for _ in range(12)]

@@ -122,6 +122,7 @@ def check_packaged(model: str) -> None:
         check_against_gguf(torch.randn(3, int(t.shape[0]), generator=g), rows, t.tensor_type.name)
 
 
+@pytest.mark.slow  # 10 s; every format's kernel is checked against the gguf package above
 def test_every_matrix_of_the_smollm2_file(smollm2):
     check_packaged("smollm2-135m")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from baton import SamplingParams
@@ -100,6 +101,7 @@ def test_top_k_1_is_greedy(smollm2):
     assert top1[0].outputs[0].token_ids == greedy
 
 
+@pytest.mark.slow  # exporting the float32 reference directory and loading it: 45 s on a fresh machine
 def test_logprobs_and_prompt_logprobs_match_transformers(smollm2, smollm2_ref):
     ids = smollm2.get_tokenizer().encode("The quick brown fox jumps over the lazy")
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=3, prompt_logprobs=2)

@@ -72,6 +72,12 @@ def unwrapped(module: nn.Module) -> nn.Module:
     return module.inner if getattr(module, "sums_over_ranks", False) else module
 
 
+def embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """An embedding for the loader to fill, left uninitialised: on the meta device a model is built
+    on, `normal_` alone would import torch._dynamo (2-3 s of every engine's start)."""
+    return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
+
+
 class BlockEmbedding(nn.Module):
     """An embedding table kept in a GGUF block format: a lookup dequantizes only the rows it reads
     (Gemma3's 262k x 640 table is 178 MB in Q8_0 against 671 MB as float32)."""

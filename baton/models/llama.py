@@ -19,6 +19,7 @@ from baton.models.layers import (
     RMSNorm,
     Rotary,
     apply_rotary,
+    embedding,
     gated_activation,
     pack_linears,
     paged_attention,
@@ -118,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: TextModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([self.layer_cls(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

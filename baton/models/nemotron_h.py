@@ -18,7 +18,7 @@ from baton.kv.spec import LayerKind
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
 from baton.models.fused_nemotron_decode import FusedNemotronDecoder
-from baton.models.layers import RMSNorm, pack_linears, paged_attention
+from baton.models.layers import RMSNorm, embedding, pack_linears, paged_attention
 from baton.models.llama import ForwardContext
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import SigmoidRouter, run_experts
@@ -220,7 +220,7 @@ class NemotronHForCausalLM(nn.Module):
         types = layer_types(cfg.hf)
         if len(types) != cfg.num_layers:
             raise ValueError(f"NemotronH config: {len(types)} layer types for {cfg.num_layers} layers")
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embeddings = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(NemotronHBlock(cfg, i, t) for i, t in enumerate(types))
         self.norm_f = RMSNorm(cfg.hidden_size, _eps(cfg))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
