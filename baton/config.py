@@ -286,6 +286,9 @@ class ParallelConfig:
         return self.world_size // self.nnodes
 
 
+QUANT_KERNELS = ("float", "int8", "int8-avx512_vnni", "int8-avx_vnni", "int8-avx2")
+
+
 @dataclass
 class EnvSettings:
     num_threads: int | None = None
@@ -294,11 +297,19 @@ class EnvSettings:
     api_key: str | None = None
     kv_secret: str | None = None
     router_admin_key: str | None = None
+    quant_kernel: str = "float"
+    """BATON_QUANT_KERNEL: the kernel of GGUF-block linears (baton/ops/quant_linear.h): float, or
+    int8 (activations quantized per block, integer dot products; int8-avx2 etc. force an
+    instruction set, all giving the same bits). float stays the default until attention is
+    bitwise the same on every path: int8 codes turn last-bit differences into visible ones."""
     faults: dict[str, int] = field(default_factory=dict)
     """BATON_FAULTS="stage=token,...": tests' fault points (engine/faults.py); empty in service."""
 
     @classmethod
     def read(cls) -> EnvSettings:
+        quant_kernel = os.environ.get("BATON_QUANT_KERNEL", "float")
+        if quant_kernel not in QUANT_KERNELS:
+            raise ValueError(f"BATON_QUANT_KERNEL must be one of {', '.join(QUANT_KERNELS)}, not {quant_kernel!r}")
         threads = os.environ.get("BATON_NUM_THREADS")
         return cls(
             num_threads=int(threads) if threads else None,
@@ -307,6 +318,7 @@ class EnvSettings:
             api_key=os.environ.get("BATON_API_KEY") or None,
             kv_secret=os.environ.get("BATON_KV_SECRET") or None,
             router_admin_key=os.environ.get("BATON_ROUTER_ADMIN_KEY") or None,
+            quant_kernel=quant_kernel,
             faults=parse_faults(os.environ.get("BATON_FAULTS", "")),
         )
 

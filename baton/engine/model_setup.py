@@ -30,6 +30,10 @@ class RankModel:
 def load_rank_model(config: EngineConfig, tp: TPGroup, rank: int = 0, progress: bool = True) -> RankModel:
     dtype = getattr(torch, config.model.torch_dtype_name)
     keep_blocks = config.model.keep_gguf_blocks
+    if keep_blocks:
+        from baton.ops import set_quant_kernel
+
+        set_quant_kernel(config.env.quant_kernel)
     loaded = load_model(config.model.model, dtype, config.env.cache_dir, progress=progress, keep_blocks=keep_blocks)
     model, local = loaded.model, loaded.config
     stage = None

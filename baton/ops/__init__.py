@@ -213,6 +213,19 @@ def quant_block_values(blocks: torch.Tensor) -> int:
     return ops().quant_block_values(blocks)
 
 
+def set_quant_kernel(name: str) -> str:
+    """The kernel of this process's GGUF-block linears: float (dequantized in registers, float32
+    multiply-adds), int8 (x quantized per block, integer dot products on the best instruction set
+    the CPU has) or int8-avx512_vnni / int8-avx_vnni / int8-avx2; one the CPU lacks raises.
+    Returns the kernel in use."""
+    return ops().set_quant_kernel(name)
+
+
+def quant_kernel() -> str:
+    """The kernel the GGUF-block linears use now."""
+    return ops().quant_kernel()
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, residual: torch.Tensor | None = None
 ) -> torch.Tensor:

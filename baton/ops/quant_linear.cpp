@@ -1,8 +1,10 @@
 // y = x W^T (+ b) over a weight kept in a GGUF block format, as the file ships it: W is uint8
 // [N, blocks, block_bytes], each row of N its K inputs in ggml's blocks (Q8_0, Q4_0, Q4_1, Q5_0,
 // Q5_1: 32 values a block; Q4_K, Q5_K, Q6_K: 256). The block size in bytes names the format.
+// Two paths: this file's float one (the default), and the integer one of quant_int.cpp where
+// set_quant_kernel chose it.
 //
-// Each thread takes 4 output rows at a time. With many rows of x, it dequantizes them into a float
+// The float path: // Each thread takes 4 output rows at a time. With many rows of x, it dequantizes them into a float
 // buffer in L1 (once per pass of 1 MiB of x rows), then sums each (row, output) over k in vector
 // lanes in k order and reduces the lanes last. With up to 6 rows (2 under AVX2), it dequantizes in
 // registers and multiplies each vector into the same accumulators in the same order: the same bits
@@ -144,6 +146,7 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& weight, 
   TORCH_CHECK(x.size(1) == k_dim, "x has K = ", x.size(1), " input features, the quantized weight ", k_dim);
   TORCH_CHECK(n_dim == weight.size(0), "out_features = ", n_dim, " but the quantized weight has ", weight.size(0),
               " rows");
+  if (quant_int_selected()) return quant_int_linear(x, weight, bias, n_dim, f.block_values);
   const int64_t rows = x.size(0), row_bytes = blocks * f.block_bytes, x_stride = x.stride(0);
   auto y = torch::empty({rows, n_dim}, x.options());
   const float* xp = x.data_ptr<float>();

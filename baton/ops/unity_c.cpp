@@ -3,3 +3,4 @@
 #include "mamba_step.cpp"
 #include "nemotron_step.cpp"
 #include "nemotron_decode.cpp"
+#include "quant_int.cpp"

@@ -1,0 +1,95 @@
+"""The GGUF-block linears of a ~1.1B Llama (hidden 2048, 16 layers, 32 / 8 heads, MLP 8192, vocab
+49152), float kernel against int8 kernel, beside the bytes-read floor.
+
+    python bench/quant_kernels.py [--formats Q4_K Q4_0 Q8_0] [--rows 1 8 128] [--repeats 5]
+
+One layer's projections (qkv 3072 x 2048, o 2048 x 2048, gate_up 16384 x 2048, down 2048 x 8192)
+in the format, the lm_head (49152 x 2048) in Q6_K, as a Q4_K_M file has it; random blocks (their
+timing does not depend on the values), a tensor of its own per layer. Prints, per format and row count, the milliseconds of one
+token's linears (16 layers + lm_head, median of --repeats), the rate the weights stream at, the
+floor (the weights' bytes at the rate a large read runs here) and the ratios int8 / float and
+int8 / floor. CPU and kernels are printed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from baton.models.gguf_blocks import BLOCK_FORMATS
+from baton.ops import packed_linear, set_quant_kernel
+
+LAYERS = 16
+SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
+LM_HEAD = (49152, 2048)
+
+
+def blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    values, nbytes = BLOCK_FORMATS[qtype]
+    raw = rng.integers(0, 256, (n, k // values, nbytes), dtype=np.uint8)
+    scale = np.full((n, k // values, 1), 1e-3, dtype=np.float16).view(np.uint8)
+    at = 208 if qtype == "Q6_K" else 0
+    raw[..., at : at + 2] = scale
+    if qtype in ("Q4_K", "Q5_K", "Q4_1", "Q5_1"):
+        raw[..., 2:4] = scale
+    return torch.from_numpy(raw)
+
+
+def read_rate() -> float:
+    """GB/s of a sum over 1 GiB of float32: what streaming weights can reach here."""
+    x = torch.ones(1 << 28)
+    x.sum()
+    start = time.perf_counter()
+    for _ in range(3):
+        x.sum()
+    return 3 * x.numel() * 4 / (time.perf_counter() - start) / 1e9
+
+
+def token_ms(weights: list[tuple[torch.Tensor, int, int]], rows: int, repeats: int) -> float:
+    xs = {k: torch.randn(rows, k) for _, _, k in weights}
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for w, n, k in weights:
+            packed_linear(xs[k], w, None, n)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--formats", nargs="+", default=["Q4_K", "Q4_0", "Q8_0"], choices=list(BLOCK_FORMATS))
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 8, 128])
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"CPU: {cpu}, {torch.get_num_threads()} threads; int8 kernel: {set_quant_kernel('int8')}")
+    rate = read_rate()
+    print(f"large read: {rate:.1f} GB/s")
+    rng = np.random.default_rng(0)
+    head = blocks("Q6_K", *LM_HEAD, rng)
+    print(f"{'format':<6} {'rows':>5} {'float ms':>9} {'int8 ms':>8} {'int8/float':>10} {'GB/s':>6} {'floor ms':>8} {'int8/floor':>10}")
+    for qtype in args.formats:
+        # a tensor of its own per layer, as a model has: one layer's set would stay in the L3 cache
+        weights = [(blocks(qtype, n, k, rng), n, k) for _ in range(LAYERS) for n, k in SHAPES.values()]
+        weights.append((head, *LM_HEAD))
+        nbytes = sum(w.numel() for w, _, _ in weights)
+        for rows in args.rows:
+            ms = {}
+            for kernel in ("float", "int8"):
+                set_quant_kernel(kernel)
+                ms[kernel] = token_ms(weights, rows, args.repeats)
+            floor = nbytes / rate / 1e6
+            print(
+                f"{qtype:<6} {rows:>5} {ms['float']:>9.1f} {ms['int8']:>8.1f} {ms['int8'] / ms['float']:>10.2f} "
+                f"{nbytes / ms['int8'] / 1e6:>6.1f} {floor:>8.1f} {ms['int8'] / floor:>10.2f}"
+            )
+    set_quant_kernel("float")
+
+
+if __name__ == "__main__":
+    main()
