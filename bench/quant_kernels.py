@@ -5,10 +5,10 @@
 
 One layer's projections (qkv 3072 x 2048, o 2048 x 2048, gate_up 16384 x 2048, down 2048 x 8192)
 in the format, the lm_head (49152 x 2048) in Q6_K, as a Q4_K_M file has it; random blocks (their
-timing does not depend on the values), a tensor of its own per layer. Prints, per format and row count, the milliseconds of one
-token's linears (16 layers + lm_head, median of --repeats), the rate the weights stream at, the
-floor (the weights' bytes at the rate a large read runs here) and the ratios int8 / float and
-int8 / floor. CPU and kernels are printed first.
+timing does not depend on the values), a tensor of its own per layer. Prints, per format and row
+count, the milliseconds of one token's linears (16 layers + lm_head, median of --repeats), the
+rate the weights stream at, the floor (the weights' bytes at the rate a large read runs here) and
+the ratios int8 / float and int8 / floor. CPU and kernels are printed first.
 """
 
 from __future__ import annotations
@@ -72,9 +72,10 @@ def main() -> None:
     print(f"large read: {rate:.1f} GB/s")
     rng = np.random.default_rng(0)
     head = blocks("Q6_K", *LM_HEAD, rng)
-    print(f"{'format':<6} {'rows':>5} {'float ms':>9} {'int8 ms':>8} {'int8/float':>10} {'GB/s':>6} {'floor ms':>8} {'int8/floor':>10}")
+    heads = ("format", "rows", "float ms", "int8 ms", "int8/float", "GB/s", "floor ms", "int8/floor")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(heads, (6, 5, 9, 8, 10, 6, 8, 10))))
     for qtype in args.formats:
-        # a tensor of its own per layer, as a model has: one layer's set would stay in the L3 cache
+        # a tensor of its own per layer, as in a model: one layer's set would stay in L3
         weights = [(blocks(qtype, n, k, rng), n, k) for _ in range(LAYERS) for n, k in SHAPES.values()]
         weights.append((head, *LM_HEAD))
         nbytes = sum(w.numel() for w, _, _ in weights)
