@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <vector>
 
@@ -27,6 +28,9 @@ namespace isa_avx2 {
 #undef BATON_VNNI
 }  // namespace isa_avx2
 
+// The VNNI variants need GCC's target pragma (and, for AVX-VNNI, GCC 11): elsewhere AVX2 alone.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define BATON_VNNI_TARGETS 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 namespace isa_avx512_vnni {
@@ -44,6 +48,7 @@ namespace isa_avx_vnni {
 #undef BATON_VNNI
 }  // namespace isa_avx_vnni
 #pragma GCC pop_options
+#endif
 
 namespace {
 
@@ -70,11 +75,13 @@ struct Isa {
         &erase<ns::XRows, ns::dot_rows<3>>, &erase<ns::XRows, ns::dot_rows<4>>                      \
   }
 const Isa kIsas[] = {
+#ifdef BATON_VNNI_TARGETS
     {"avx512_vnni",
      [] { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                  __builtin_cpu_supports("avx512bw"); },
      BATON_ISA(isa_avx512_vnni)},
     {"avx_vnni", [] { return static_cast<bool>(__builtin_cpu_supports("avxvnni")); }, BATON_ISA(isa_avx_vnni)},
+#endif
     {"avx2", [] { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }, BATON_ISA(isa_avx2)},
 };
 #undef BATON_ISA
@@ -82,7 +89,7 @@ const Isa kIsas[] = {
 const Isa* best_isa() {
   for (const Isa& isa : kIsas)
     if (isa.supported()) return &isa;
-  return &kIsas[2];
+  return &kIsas[std::size(kIsas) - 1];
 }
 
 std::atomic<const Isa*> g_isa{nullptr};  // null: the float path (quant_linear.cpp)
