@@ -7,7 +7,7 @@ One layer's projections (qkv 3072 x 2048, o 2048 x 2048, gate_up 16384 x 2048, d
 in the format, the lm_head (49152 x 2048) in Q6_K, as a Q4_K_M file has it; random blocks (their
 timing does not depend on the values), a tensor of its own per layer. Prints, per format and row
 count, the milliseconds of one token's linears (16 layers + lm_head, median of --repeats), the
-rate the weights stream at, the floor (the weights' bytes at the rate a large read runs here) and
+rate the weights stream at, the floor (the weights' bytes at limits.py's large-read rate) and
 the ratios int8 / float and int8 / floor. CPU and kernels are printed first.
 """
 
@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from baton.models.gguf_blocks import BLOCK_FORMATS
-from baton.ops import packed_linear, set_quant_kernel
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from limits import read_gbs  # noqa: E402
+
+from baton.models.gguf_blocks import BLOCK_FORMATS  # noqa: E402
+from baton.ops import packed_linear, set_quant_kernel  # noqa: E402
 
 LAYERS = 16
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
@@ -37,16 +43,6 @@ def blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor
     if qtype in ("Q4_K", "Q5_K", "Q4_1", "Q5_1"):
         raw[..., 2:4] = scale
     return torch.from_numpy(raw)
-
-
-def read_rate() -> float:
-    """GB/s of a sum over 1 GiB of float32: what streaming weights can reach here."""
-    x = torch.ones(1 << 28)
-    x.sum()
-    start = time.perf_counter()
-    for _ in range(3):
-        x.sum()
-    return 3 * x.numel() * 4 / (time.perf_counter() - start) / 1e9
 
 
 def token_ms(weights: list[tuple[torch.Tensor, int, int]], rows: int, repeats: int) -> float:
@@ -68,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"CPU: {cpu}, {torch.get_num_threads()} threads; int8 kernel: {set_quant_kernel('int8')}")
-    rate = read_rate()
+    rate = read_gbs()
     print(f"large read: {rate:.1f} GB/s")
     rng = np.random.default_rng(0)
     head = blocks("Q6_K", *LM_HEAD, rng)

@@ -1,8 +1,8 @@
 #pragma once
 // The GGUF block formats baton's kernels read (quant_linear.cpp): for each, how one block turns
 // into float32 values, with the formulas of ggml's dequantize_row_* evaluated as the gguf package
-// does (the same bits). File-local (anonymous namespace): included by quant_linear.cpp only, under
-// AVX2 or AVX-512.
+// does (the same bits). File-local (anonymous namespace): included by quant_linear.cpp, and by
+// quant_int.cpp for half and scale_min_k4, under AVX2 or AVX-512.
 #include "cpu_vec.h"
 
 #include <c10/util/Half.h>
@@ -13,14 +13,19 @@
 
 namespace {
 
-float half(const uint8_t* p) {
+// an fp16 as float32 (exact either way; F16C's one instruction where the build has it)
+inline float half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
   return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
 }
 
 // ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block
-void scale_min_k4(int j, const uint8_t* q, float* sc, float* m) {
+void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
   if (j < 4) {
     *sc = q[j] & 63;
     *m = q[j + 4] & 63;
@@ -152,7 +157,7 @@ inline void dequant_k(const uint8_t* b, Sink&& sink) {
   const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (FifthBit ? 48 : 16);
   for (int is = 0; is < 8; is += 2, qs += 32) {
     for (int part = 0; part < 2; ++part) {  // the low nibbles' sub-block, then the high ones'
-      float sc, m;
+      uint8_t sc, m;
       scale_min_k4(is + part, scales, &sc, &m);
       const CodeValues<Codes::kUnsigned, Offset::kAdd, FifthBit ? 5 : 4> v(d * sc, 0.f, -(dmin * m));
       for (int c = 0; c < 32; c += 16) {

@@ -22,6 +22,23 @@
 #include <limits>
 #include <vector>
 
+#include "gguf_block_formats.h"
+
+namespace {
+
+// x as the kernels read it: R rows starting at q (int8, `stride` codes apart), their scales and
+// sums `bstride` scales apart: for the 32-value formats a scale per 32 values (d) and d times the
+// codes' sum (s); for the K formats a scale per 256 (d) and the codes' sum per 32 (bsum)
+struct XRows {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  const int16_t* bsum;
+  int64_t stride, bstride;
+};
+
+}  // namespace
+
 namespace isa_avx2 {
 #define BATON_VNNI 0
 #include "quant_int_kernels.h"
@@ -55,13 +72,7 @@ namespace {
 constexpr int64_t kRows = 4;                      // rows of x per weight-row pass
 constexpr int64_t kRowBlockBytes = 256 * 1024;    // quantized x rows a pass keeps in L2
 
-using XRows = isa_avx2::XRows;  // the same layout in every namespace
-using DotRows = void (*)(int64_t, const uint8_t*, int64_t, const void*, float*, int64_t, float);
-
-template <class X, void (*F1)(int64_t, const uint8_t*, int64_t, const X&, float*, int64_t, float)>
-void erase(int64_t bb, const uint8_t* w, int64_t nb, const void* x, float* y, int64_t ys, float bias) {
-  F1(bb, w, nb, *static_cast<const X*>(x), y, ys, bias);
-}
+using DotRows = void (*)(int64_t, const uint8_t*, int64_t, const XRows&, float*, int64_t, float);
 
 struct Isa {
   const char* name;
@@ -69,11 +80,7 @@ struct Isa {
   DotRows rows[kRows];  // rows[R - 1]: R rows at once
 };
 
-#define BATON_ISA(ns)                                                                               \
-  {                                                                                                 \
-    &erase<ns::XRows, ns::dot_rows<1>>, &erase<ns::XRows, ns::dot_rows<2>>,                         \
-        &erase<ns::XRows, ns::dot_rows<3>>, &erase<ns::XRows, ns::dot_rows<4>>                      \
-  }
+#define BATON_ISA(ns) {&ns::dot_rows<1>, &ns::dot_rows<2>, &ns::dot_rows<3>, &ns::dot_rows<4>}
 const Isa kIsas[] = {
 #ifdef BATON_VNNI_TARGETS
     {"avx512_vnni",
@@ -165,7 +172,7 @@ torch::Tensor quant_int_linear(const torch::Tensor& x, const torch::Tensor& weig
                          per == 32 ? nullptr : qx.bsum.data() + r * k_dim / 32,
                          k_dim,
                          nd};
-          isa.rows[count - 1](block_bytes, wp + n * row_bytes, blocks, &xr, yp + r * n_dim + n, n_dim, b);
+          isa.rows[count - 1](block_bytes, wp + n * row_bytes, blocks, xr, yp + r * n_dim + n, n_dim, b);
         }
       }
     });

@@ -8,8 +8,7 @@
 // written as explicit fused operations, so the three give the same bits, and a row's bits do not
 // depend on R (each row's accumulators take the same operations in the same order).
 //
-// Activations (quant_int.cpp): for the 32-value formats one scale per 32 values (dx) and dx * sum
-// of the codes (xs); for the K formats one scale per 256 (dx) and the sum of the codes per 32 (bsum).
+// Activations: XRows (quant_int.cpp).
 
 // lane l: sum over k < 4 of u[4l + k] * s[4l + k] (u unsigned, s signed bytes; every pair of
 // products stays inside int16, which maddubs needs)
@@ -71,28 +70,12 @@ inline __m256i fifth_bits(const uint8_t* p) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), _mm256_set1_epi8(0x10));
 }
 
-inline float fp16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
 // the lanes' sum, in a fixed order
 inline float reduce(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
-
-// x as the kernels read it: R rows starting at q (int8, stride `stride` bytes), per-block
-// scales and sums with stride `bstride` blocks
-struct XRows {
-  const int8_t* q;
-  const float* d;      // per 32 values (32-value formats) or per 256 (K formats)
-  const float* s;      // dx * sum of codes per 32 (the 32-value formats with an offset)
-  const int16_t* bsum; // sum of codes per 32 (K formats)
-  int64_t stride, bstride;
-};
 
 // y[r] for R rows against one weight row of `nb` blocks.
 template <int R>
@@ -132,28 +115,19 @@ void dot_blocks32(const uint8_t* w, int64_t nb, const XRows& x, float* y, int64_
     const uint8_t* blk = w + b * Bytes;
     _mm_prefetch(reinterpret_cast<const char*>(blk) + 1024, _MM_HINT_T0);
     const __m256i c = codes32<K>(blk);
-    const float d = fp16(blk);
+    const float d = half(blk);
     for (int r = 0; r < R; ++r) {
       const __m256i xv = load32(x.q + r * x.stride + b * 32);
       const float dx = x.d[r * x.bstride + b];
       if constexpr (kOffset) {
         acc.add(r, dot_u8s8(c, xv), d * dx);
-        acc.m[r] = std::fma(fp16(blk + 2), x.s[r * x.bstride + b], acc.m[r]);
+        acc.m[r] = std::fma(half(blk + 2), x.s[r * x.bstride + b], acc.m[r]);
       } else {
         acc.add(r, dot_s8s8(c, xv), d * dx);
       }
     }
   }
   acc.out(y, y_stride, bias);
-}
-
-// Q4_K / Q5_K's 6-bit scales and mins of the 8 sub-blocks: bytes 0-7 scales, 8-15 mins
-inline void k_scales(const uint8_t* p, uint8_t out[16]) {
-  for (int j = 0; j < 4; ++j) out[j] = p[j] & 63, out[8 + j] = p[j + 4] & 63;
-  for (int j = 4; j < 8; ++j) {
-    out[j] = (p[j + 4] & 0xF) | ((p[j - 4] >> 6) << 4);
-    out[8 + j] = (p[j + 4] >> 4) | ((p[j] >> 6) << 4);
-  }
 }
 
 // Q4_K (d, dmin, scales, 128 bytes of nibbles) and Q5_K (... 32 bytes of fifth bits first): per
@@ -167,9 +141,9 @@ void dot_k45(const uint8_t* w, int64_t nb, const XRows& x, float* y, int64_t y_s
     const uint8_t* blk = w + b * kBytes;
     _mm_prefetch(reinterpret_cast<const char*>(blk) + 1024, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(blk) + 1088, _MM_HINT_T0);
-    const float d = fp16(blk), dmin = fp16(blk + 2);
-    uint8_t sm[16];
-    k_scales(blk + 4, sm);
+    const float d = half(blk), dmin = half(blk + 2);
+    uint8_t sm[16];  // the 8 sub-blocks' scales, then their mins
+    for (int j = 0; j < 8; ++j) scale_min_k4(j, blk + 4, sm + j, sm + 8 + j);
     const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8)));
     const uint8_t* qs = blk + (Q5 ? 48 : 16);
     const __m256i qh = Q5 ? load32(blk + 16) : _mm256_setzero_si256();
@@ -231,7 +205,7 @@ void dot_q6_k(const uint8_t* w, int64_t nb, const XRows& x, float* y, int64_t y_
           isum[r] = _mm256_add_epi32(isum[r], dot_s8s8_scaled(c, load32(x.q + r * x.stride + b * 256 + offset), s));
       }
     }
-    const float d = fp16(blk + 208);
+    const float d = half(blk + 208);
     for (int r = 0; r < R; ++r) acc.add(r, isum[r], d * x.d[r * x.bstride + b]);
   }
   acc.out(y, y_stride, bias);
