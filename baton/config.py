@@ -297,17 +297,17 @@ class EnvSettings:
     api_key: str | None = None
     kv_secret: str | None = None
     router_admin_key: str | None = None
-    quant_kernel: str = "float"
-    """BATON_QUANT_KERNEL: the kernel of GGUF-block linears (baton/ops/quant_linear.h): float, or
-    int8 (activations quantized per block, integer dot products; int8-avx2 etc. force an
-    instruction set, all giving the same bits). float stays the default until attention is
-    bitwise the same on every path: int8 codes turn last-bit differences into visible ones."""
+    quant_kernel: str = "int8"
+    """BATON_QUANT_KERNEL: the kernel of GGUF-block linears (baton/ops/quant_linear.h): int8
+    (activations quantized per block, integer dot products; int8-avx2 etc. force an instruction
+    set, all giving the same bits), or float (blocks dequantized in registers, float32 products:
+    the gguf package's float32 weights bit for bit)."""
     faults: dict[str, int] = field(default_factory=dict)
     """BATON_FAULTS="stage=token,...": tests' fault points (engine/faults.py); empty in service."""
 
     @classmethod
     def read(cls) -> EnvSettings:
-        quant_kernel = os.environ.get("BATON_QUANT_KERNEL", "float")
+        quant_kernel = os.environ.get("BATON_QUANT_KERNEL", "int8")
         if quant_kernel not in QUANT_KERNELS:
             raise ValueError(f"BATON_QUANT_KERNEL must be one of {', '.join(QUANT_KERNELS)}, not {quant_kernel!r}")
         threads = os.environ.get("BATON_NUM_THREADS")

@@ -14,7 +14,7 @@ from baton.handoff import wire
 from baton.handoff.errors import InvalidKVImport
 from baton.handoff.transfer import _slots
 from baton.kv.storage import LayerKV
-from baton.ops import paged_decode_attention, read_kv_fp8, write_kv_fp8
+from baton.ops import paged_attention, read_kv_fp8, write_kv_fp8
 from tests.conftest import _words
 from tests.test_handoff import prefill_span, receiver_state, repack, run_imported
 
@@ -120,7 +120,7 @@ def test_decode_attention_reads_codes_times_scales(layout):
     q = torch.randn(2, heads, dim)
     table = torch.tensor([[1, 2, 3, 4], [4, 2, 0, 0]])
     offsets, lens = torch.tensor([3, 0]), torch.tensor([61, 20])
-    out = paged_decode_attention(q, k_cache, v_cache, table, offsets, lens, bs, 0.125, (k_scale, v_scale))
+    out = paged_attention(q, k_cache, v_cache, table, offsets, lens, bs, 0.125, (k_scale, v_scale))
     for s in range(2):
         pos = torch.arange(offsets[s], offsets[s] + lens[s])
         at = table[s][pos // bs] * bs + pos % bs
@@ -129,7 +129,7 @@ def test_decode_attention_reads_codes_times_scales(layout):
         ref = torch.einsum("ht,thd->hd", torch.einsum("hd,thd->ht", q[s], k).mul(0.125).softmax(-1), v)
         torch.testing.assert_close(out[s], ref, rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="needs its k and v scales"):
-        paged_decode_attention(q, k_cache, v_cache, table, offsets, lens, bs, 0.125)
+        paged_attention(q, k_cache, v_cache, table, offsets, lens, bs, 0.125)
 
 
 @pytest.fixture(scope="module")

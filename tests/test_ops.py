@@ -17,8 +17,7 @@ import torch
 
 import baton.engine.runner as runner
 import baton.ops as baton_ops
-from baton.kv.storage import LayerKV
-from baton.models.layers import PrefillSeq, _prefill_attention
+from baton.models.mla import tiled_attention
 from baton.ops import (
     LIB,
     cache_key,
@@ -27,7 +26,7 @@ from baton.ops import (
     ops,
     pack_weight_panels,
     packed_linear,
-    paged_decode_attention,
+    paged_attention,
     rms_norm,
     rms_norm_heads_,
     rotary_,
@@ -87,7 +86,7 @@ def test_decode_attention_matches_a_hand_written_softmax(
 ):
     case = random_case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_len, dtype, layout, seed=0)
     scale = 1 / math.sqrt(head_dim)
-    out = paged_decode_attention(*case, block_size, scale)
+    out = paged_attention(*case, block_size, scale)
     ref = reference(*case, block_size, scale)
     assert out.shape == case[0].shape and out.dtype == case[0].dtype
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
@@ -96,9 +95,9 @@ def test_decode_attention_matches_a_hand_written_softmax(
 def test_decode_attention_of_a_sequence_does_not_depend_on_its_batch():
     q, k_cache, v_cache, table, offsets, lens = random_case(8, 9, 3, 64, 16, 700, torch.float32, "NHD", seed=1)
     assert lens.max() > 512  # some sequences span several partitions
-    together = paged_decode_attention(q, k_cache, v_cache, table, offsets, lens, 16, 0.125)
+    together = paged_attention(q, k_cache, v_cache, table, offsets, lens, 16, 0.125)
     for s in range(8):
-        alone = paged_decode_attention(
+        alone = paged_attention(
             q[s : s + 1], k_cache, v_cache, table[s : s + 1], offsets[s : s + 1], lens[s : s + 1], 16, 0.125
         )
         assert torch.equal(alone, together[s : s + 1])
@@ -107,9 +106,9 @@ def test_decode_attention_of_a_sequence_does_not_depend_on_its_batch():
 def test_decode_attention_rejects_mismatched_inputs():
     q, k_cache, v_cache, table, offsets, lens = random_case(2, 4, 2, 16, 4, 20, torch.float32, "NHD", seed=2)
     with pytest.raises(RuntimeError, match="block_table"):
-        paged_decode_attention(q, k_cache, v_cache, table.int(), offsets, lens, 4, 0.25)
+        paged_attention(q, k_cache, v_cache, table.int(), offsets, lens, 4, 0.25)
     with pytest.raises(RuntimeError, match="head shapes"):
-        paged_decode_attention(q[:, :3], k_cache, v_cache, table, offsets, lens, 4, 0.25)
+        paged_attention(q[:, :3], k_cache, v_cache, table, offsets, lens, 4, 0.25)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -119,7 +118,7 @@ def test_decode_attention_rejects_mismatched_inputs():
         ("block_past_the_cache", r"block_table\[1, 0\] = {num_blocks} is outside the KV cache's {num_blocks} blocks"),
         ("negative_block", r"block_table\[1, 0\] = -1 is outside the KV cache's {num_blocks} blocks"),
         ("negative_offset", r"kv_offset\[0\] = -1 is negative"),
-        ("zero_length", r"kv_len\[1\] = 0: a decode attends to at least one position"),
+        ("zero_length", r"kv_len\[1\] = 0: a query attends to at least one position"),
         ("past_the_table_row", r"kv_offset\[0\] \+ kv_len\[0\] = 3 \+ 18 runs past block_table row 0 \(5 blocks"),
         ("zero_block_size", r"block_size must be at least 1, got 0"),
     ],
@@ -148,7 +147,7 @@ def test_decode_attention_rejects_a_context_it_would_read_out_of_bounds(layout, 
     else:
         bs = 0
     with pytest.raises(RuntimeError, match=message.format(num_blocks=num_blocks)):
-        paged_decode_attention(q, k_cache, v_cache, table, offsets, lens, bs, 0.25)
+        paged_attention(q, k_cache, v_cache, table, offsets, lens, bs, 0.25)
 
 
 def test_decode_attention_ignores_table_entries_past_the_context():
@@ -157,7 +156,7 @@ def test_decode_attention_ignores_table_entries_past_the_context():
     padded = torch.cat([table, torch.full((3, 2), -7)], 1)
     lens[0] = 1
     padded[0, offsets[0] // 4 + 1 :] = 10**9  # past its one position
-    out = paged_decode_attention(q, k_cache, v_cache, padded, offsets, lens, 4, 0.25)
+    out = paged_attention(q, k_cache, v_cache, padded, offsets, lens, 4, 0.25)
     ref = reference(q, k_cache, v_cache, table, offsets, lens, 4, 0.25)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
@@ -251,7 +250,7 @@ def long_decode_attention():
     k_cache, v_cache = torch.randn(4096 * 16, 2, 64, generator=g), torch.randn(4096 * 16, 2, 64, generator=g)
     table = torch.randperm(4096, generator=g)[:512].repeat(64, 1)
     q, offsets, lens = torch.randn(64, 16, 64, generator=g), torch.zeros(64, dtype=torch.long), torch.full((64,), 8192)
-    return lambda: paged_decode_attention(q, k_cache, v_cache, table, offsets, lens, 16, 0.125)
+    return lambda: paged_attention(q, k_cache, v_cache, table, offsets, lens, 16, 0.125)
 
 
 def long_fused_decode_step():
@@ -409,30 +408,130 @@ def causal_reference(q, k, v, q_pos, kv_pos, window, scale):
         (5, 1, None, False),  # one query
     ],
 )
-def test_prefill_attention_over_tiles_matches_one_softmax(monkeypatch, q_start, num_queries, window, blind):
+def test_attention_over_kv_tiles_matches_one_softmax(monkeypatch, q_start, num_queries, window, blind):
+    """MLA's prefill: flash calls over tiles, merged by log-sum-exp."""
     monkeypatch.setattr(runner, "KV_TILE", 8)  # many tiles for short contexts
     g = torch.Generator().manual_seed(q_start + num_queries)
-    heads, kv_heads, dim = 6, 2, 16
+    heads, dim = 6, 16
     end = q_start + num_queries
     kv_start = 0 if window is None else max(0, q_start - window + 1)
     q = torch.randn(num_queries, heads, dim, generator=g)
-    k = torch.randn(end, kv_heads, dim, generator=g)
-    v = torch.randn(end, kv_heads, dim, generator=g)
-    # the cache holds positions in scattered slots; kv_slots lists them from kv_start on
-    slots = torch.randperm(200, generator=g)[:end]
-    k_cache = torch.zeros(200, kv_heads, dim).index_copy_(0, slots, k)
-    v_cache = torch.zeros(200, kv_heads, dim).index_copy_(0, slots, v)
+    k = torch.randn(end, heads, dim, generator=g)
+    v = torch.randn(end, heads, dim, generator=g)
     tiles = runner._kv_tiles(q_start, end, kv_start, window)
     assert len(tiles) == -(-(end - kv_start) // max(8, num_queries))
     assert any(t.blind_rows is not None for t in tiles) == blind
-    kv_slots = None if q_start == 0 else slots[kv_start:]
-    p = PrefillSeq(0, num_queries, kv_slots, tiles)
-    kv_src = (k[q_start:], v[q_start:]) if kv_slots is None else None  # the chunk is the whole context
-    out = _prefill_attention(q, kv_src, LayerKV(k_cache, v_cache), p, 1, 0.25)
+
+    def load(t):
+        return k[kv_start + t.lo : kv_start + t.hi].transpose(0, 1)[None], v[
+            kv_start + t.lo : kv_start + t.hi
+        ].transpose(0, 1)[None]
+
+    out = tiled_attention(q.transpose(0, 1)[None], tiles, load, 0.25)[0].transpose(0, 1)
     ref = causal_reference(
         q, k[kv_start:], v[kv_start:], torch.arange(q_start, end), torch.arange(kv_start, end), window, 0.25
     )
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def chunk_case(context, num_queries, heads, kv_heads, dim, block_size, dtype, seed):
+    """A sequence of context + num_queries positions in scattered blocks of a cache."""
+    g = torch.Generator().manual_seed(seed)
+    end = context + num_queries
+    num_blocks = end // block_size + 9
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)[: -(-end // block_size)]
+    q = torch.randn(num_queries, heads, dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, table
+
+
+def chunk_rows(context, num_queries, window, block_size):
+    """Each query's (first position, length) of a chunk at [context, context + num_queries)."""
+    pos = torch.arange(context, context + num_queries)
+    lo = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp(min=0)
+    return lo, pos + 1 - lo
+
+
+@pytest.mark.parametrize(
+    "context,num_queries,heads,kv_heads,dim,block_size,window,dtype",
+    [
+        (0, 40, 9, 3, 64, 16, None, torch.float32),  # a whole prompt: SmolLM2's heads
+        (300, 37, 9, 3, 64, 16, None, torch.float32),  # a chunk after a prefix hit, rows in 3 tiles
+        (600, 20, 4, 1, 256, 16, None, torch.float32),  # Gemma3's heads, three partitions
+        (45, 30, 4, 4, 40, 7, 19, torch.float32),  # a sliding window, head_dim off the vector width
+        (0, 50, 6, 2, 64, 16, None, torch.bfloat16),
+    ],
+)
+def test_prefill_rows_match_a_causal_softmax(context, num_queries, heads, kv_heads, dim, block_size, window, dtype):
+    q, k_cache, v_cache, table = chunk_case(context, num_queries, heads, kv_heads, dim, block_size, dtype, seed=11)
+    lo, lens = chunk_rows(context, num_queries, window, block_size)
+    seqs = torch.zeros(num_queries, dtype=torch.long)
+    out = paged_attention(q, k_cache, v_cache, table[None].contiguous(), lo, lens, block_size, 0.125, row_seq=seqs)
+    slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[: context + num_queries]
+    ref = causal_reference(
+        q,
+        k_cache[slots],
+        v_cache[slots],
+        torch.arange(context, context + num_queries),
+        torch.arange(context + num_queries),
+        window,
+        0.125,
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_prefill_rows_have_the_bits_of_decodes(window):
+    """A prompt's rows, a later chunk's rows and decodes at the same positions: one arithmetic,
+    whatever the batch around them, the chunk boundaries and the block size."""
+    context, n = 530, 70
+    q, k_cache, v_cache, table = chunk_case(context, n, 9, 3, 64, 16, torch.float32, seed=12)
+    lo, lens = chunk_rows(context, n, window, 16)
+    one_seq = torch.zeros(n, dtype=torch.long)
+    chunk = paged_attention(q, k_cache, v_cache, table[None].contiguous(), lo, lens, 16, 0.125, row_seq=one_seq)
+    # the same rows as decodes, behind two other sequences' rows, and a chunk of another sequence after
+    other_q, _, _, other_table = chunk_case(0, 20, 9, 3, 64, 16, torch.float32, seed=13)
+    tables = torch.zeros(2 + n + 1, table.numel(), dtype=torch.long)
+    tables[0, :3], tables[1, :2], tables[2 + n, : other_table.numel()] = table[:3], other_table[:2], other_table
+    tables[2 : 2 + n] = table
+    olo, olens = chunk_rows(0, 20, window, 16)
+    mixed = paged_attention(
+        torch.cat([torch.randn(2, 9, 64), q, other_q]),
+        k_cache,
+        v_cache,
+        tables,
+        torch.cat([torch.tensor([5, 0]), lo, olo]),
+        torch.cat([torch.tensor([40, 20]), lens, olens]),
+        16,
+        0.125,
+        row_seq=torch.cat([torch.arange(2 + n), torch.full((20,), 2 + n)]),
+    )
+    assert torch.equal(mixed[2 : 2 + n], chunk)
+    # a prompt split into chunks at a block edge that is no partition edge, and at no block edge
+    for cut in (48, 37):
+        head = paged_attention(
+            q[:cut], k_cache, v_cache, table[None].contiguous(), lo[:cut], lens[:cut], 16, 0.125, row_seq=one_seq[:cut]
+        )
+        assert torch.equal(head, chunk[:cut])
+    # the same cache in blocks of 8 and of 64 (a prefill worker and a decode worker of other block sizes)
+    slots = (table[:, None] * 16 + torch.arange(16)).flatten()
+    for bs in (8, 64):
+        blocks = -(-slots.numel() // bs)
+        k2, v2 = (torch.zeros(blocks * bs, 3, 64) for _ in range(2))
+        k2[: slots.numel()], v2[: slots.numel()] = k_cache[slots], v_cache[slots]
+        same = paged_attention(q, k2, v2, torch.arange(blocks)[None], lo, lens, bs, 0.125, row_seq=one_seq)
+        assert torch.equal(same, chunk)
+
+
+def test_attention_rejects_a_row_seq_outside_the_table():
+    q, k_cache, v_cache, table = chunk_case(0, 4, 2, 1, 16, 4, torch.float32, seed=14)
+    lo, lens = chunk_rows(0, 4, None, 4)
+    with pytest.raises(RuntimeError, match=r"row_seq\[2\] = 1 is not a row of the 1-row block_table"):
+        paged_attention(q, k_cache, v_cache, table[None], lo, lens, 4, 0.25, row_seq=torch.tensor([0, 0, 1, 0]))
+    with pytest.raises(RuntimeError, match="row_seq must be contiguous int64"):
+        paged_attention(q, k_cache, v_cache, table[None], lo, lens, 4, 0.25, row_seq=torch.zeros(3, dtype=torch.long))
 
 
 @pytest.mark.parametrize(

@@ -47,52 +47,66 @@ class ModelRunner:
         ops()  # build (first run on a machine) or load the compiled ops now, not on the first decode
 
     def _group_metadata(self, group: KVGroup, batch: SchedulerOutput) -> GroupAttnMetadata:
+        """Each row's slot and context: decodes (verified drafts too) first, a block_table row each;
+        then each prefill chunk's rows, reading one table row. Every table row starts at the request's
+        first block, so a row's positions [lo, pos] (lo: 0, or where its sliding window starts) are
+        the same numbers in a decode and in a chunk: the kernel's grid, and so its bits, follow them."""
         bs = self.block_size
         window = group.kind.window if group.kind.is_sliding else None
-        slot_parts, decodes, prefills = [], [], []
+        slot_parts, decode_tables, chunk_tables, decode_rows, chunk_rows, prefills = [], [], [], [], [], []
         row = 0
         for s in batch.scheduled:
-            table = self.kv.block_tables[s.request.request_id][group.group_id]
+            table = np.asarray(self.kv.block_tables[s.request.request_id][group.group_id], dtype=np.int64)
             end = s.start + s.num_new_tokens
-            kv_start = 0 if window is None else max(0, s.start - window + 1)
+            pos = np.arange(s.start, end)
+            lo = np.zeros_like(pos) if window is None else np.maximum(0, pos - window + 1)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
             if s.is_decode:  # a verified draft reads exactly what a decode at its position would
-                for pos in range(s.start, end):
-                    lo = 0 if window is None else max(0, pos - window + 1)
-                    slot_parts.append([table[pos // bs] * bs + pos % bs])
-                    decodes.append((table[lo // bs : pos // bs + 1], lo % bs, pos + 1 - lo))
+                for p, first in zip(pos.tolist(), lo.tolist(), strict=True):
+                    decode_tables.append(table[: p // bs + 1])
+                    decode_rows.append((first, p + 1 - first))
                 row += s.num_new_tokens
                 continue
-            kv_pos = np.arange(kv_start, end)
-            kv_slots = np.asarray(table, dtype=np.int64)[kv_pos // bs] * bs + kv_pos % bs
-            slot_parts.append(kv_slots[s.start - kv_start :])
-            if s.start == 0 and (window is None or s.num_new_tokens <= window):
-                prefills.append(PrefillSeq(row, row + s.num_new_tokens, None, []))  # K/V from the batch, causal
+            chunk_tables.append(table[: (end - 1) // bs + 1])
+            chunk_rows.append((lo, pos + 1 - lo))
+            if group.kind.is_mla:
+                prefills.append(self._mla_prefill(row, s.start, end, table, window))
             else:
-                slots = None if s.start == 0 else torch.from_numpy(kv_slots)
-                prefills.append(
-                    PrefillSeq(row, row + s.num_new_tokens, slots, _kv_tiles(s.start, end, kv_start, window))
-                )
+                prefills.append(PrefillSeq(row, end - s.start + row, None, []))
             row += s.num_new_tokens
-        decode_blocks = decode_offsets = decode_lens = None
-        if decodes:
-            # each decode reads positions [offset, offset + length) of its listed blocks: the first
-            # block may start before a sliding window, the last is partial
-            width = max(len(blocks) for blocks, _, _ in decodes)
-            block_ids = np.zeros((len(decodes), width), dtype=np.int64)
-            for i, (blocks, _, _) in enumerate(decodes):
-                block_ids[i, : len(blocks)] = blocks
-            decode_blocks = torch.from_numpy(block_ids)
-            decode_offsets = torch.tensor([offset for _, offset, _ in decodes], dtype=torch.long)
-            decode_lens = torch.tensor([length for _, _, length in decodes], dtype=torch.long)
+        tables = decode_tables + chunk_tables
+        block_table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+        for i, t in enumerate(tables):
+            block_table[i, : len(t)] = t
+        nd = len(decode_rows)
+        offsets = np.concatenate([np.array([o for o, _ in decode_rows], dtype=np.int64)] + [o for o, _ in chunk_rows])
+        lens = np.concatenate([np.array([n for _, n in decode_rows], dtype=np.int64)] + [n for _, n in chunk_rows])
+        row_seq = None
+        if chunk_rows:
+            seqs = [np.arange(nd)] + [np.full(len(o), nd + i) for i, (o, _) in enumerate(chunk_rows)]
+            row_seq = torch.from_numpy(np.concatenate(seqs).astype(np.int64, copy=False))
         return GroupAttnMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_parts).astype(np.int64, copy=False)),
             block_size=bs,
-            num_decodes=len(decodes),
-            decode_block_ids=decode_blocks,
-            decode_kv_offsets=decode_offsets,
-            decode_kv_lens=decode_lens,
+            num_decodes=nd,
+            block_table=torch.from_numpy(block_table),
+            kv_offsets=torch.from_numpy(offsets.astype(np.int64, copy=False)),
+            kv_lens=torch.from_numpy(lens.astype(np.int64, copy=False)),
+            row_seq=row_seq,
             prefills=prefills,
         )
+
+    def _mla_prefill(self, row: int, start: int, end: int, table: np.ndarray, window: int | None) -> PrefillSeq:
+        """An MLA chunk: the slots of its context and the tiles its flash calls read."""
+        n = end - start
+        if start == 0 and (window is None or n <= window):
+            return PrefillSeq(row, row + n, None, [])  # K/V from the batch, causal
+        bs = self.block_size
+        kv_start = 0 if window is None else max(0, start - window + 1)
+        kv_pos = np.arange(kv_start, end)
+        kv_slots = table[kv_pos // bs] * bs + kv_pos % bs
+        slots = None if start == 0 else torch.from_numpy(kv_slots)
+        return PrefillSeq(row, row + n, slots, _kv_tiles(start, end, kv_start, window))
 
     def _state_metadata(self, batch: SchedulerOutput) -> StateMetadata | None:
         """Each request's state slot (set from zeros or a checkpoint before its first forward) and

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +19,12 @@ from baton.ops import (
     ops,
     pack_weight_panels,
     packed_linear,
-    paged_decode_attention,
     panel_lanes,
     rms_norm,
     rms_norm_heads_,
     rotary_,
 )
+from baton.ops import paged_attention as paged_attention_op
 
 
 class PackedLinear(nn.Module):
@@ -239,8 +238,8 @@ def gated_activation(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
 
 @dataclass
 class KVTile:
-    """Context positions one attention call of a prefill chunk reads: rows [lo, hi) of the chunk's
-    K/V source (its kv_slots, or the batch rows when the chunk is the whole context)."""
+    """Context positions one attention call of an MLA prefill chunk reads: rows [lo, hi) of the
+    chunk's K/V source (its kv_slots, or the batch rows when the chunk is the whole context)."""
 
     lo: int
     hi: int
@@ -250,7 +249,8 @@ class KVTile:
 
 @dataclass
 class PrefillSeq:
-    """One request's chunk of queries: token rows [q_start, q_end) of the flat batch."""
+    """One request's chunk of queries: token rows [q_start, q_end) of the flat batch. kv_slots and
+    tiles are MLA's (it expands latents tile by tile); other layers read through the block table."""
 
     q_start: int
     q_end: int
@@ -265,10 +265,23 @@ class GroupAttnMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] slot each new token's K/V is written to
     block_size: int
     num_decodes: int  # the first num_decodes rows of the batch are single-token decodes
-    decode_block_ids: torch.Tensor | None  # [num_decodes, max_blocks] blocks each decode reads, in order
-    decode_kv_offsets: torch.Tensor | None  # [num_decodes] first position read, within the first block
-    decode_kv_lens: torch.Tensor | None  # [num_decodes] positions read from there on
+    block_table: torch.Tensor  # [seqs, max_blocks]: a row per decode, in order, then one per prefill chunk
+    kv_offsets: torch.Tensor  # [num_tokens] first position each row reads, within its table row's first block
+    kv_lens: torch.Tensor  # [num_tokens] positions each row reads from there on
+    row_seq: torch.Tensor | None  # [num_tokens] each row's block_table row; None: row i reads row i
     prefills: list[PrefillSeq]
+
+    @property
+    def decode_block_ids(self) -> torch.Tensor | None:  # [num_decodes, max_blocks] blocks each decode reads
+        return self.block_table[: self.num_decodes] if self.num_decodes else None
+
+    @property
+    def decode_kv_offsets(self) -> torch.Tensor | None:
+        return self.kv_offsets[: self.num_decodes] if self.num_decodes else None
+
+    @property
+    def decode_kv_lens(self) -> torch.Tensor | None:
+        return self.kv_lens[: self.num_decodes] if self.num_decodes else None
 
 
 def paged_attention(
@@ -279,89 +292,18 @@ def paged_attention(
     meta: GroupAttnMetadata,
     scale: float,
 ) -> torch.Tensor:
+    """Every row's attention over its context, read in place from the blocks (baton/ops/
+    paged_attention.cpp): decodes and prefill chunks in one call, a row's bits the same in both."""
     cache.write(meta.slot_mapping, k, v, meta.block_size)
-    nd = meta.num_decodes
-    if nd:  # read in place from the blocks (baton/ops/paged_attention.cpp)
-        decoded = paged_decode_attention(
-            q[:nd],
-            cache.k,
-            cache.v,
-            meta.decode_block_ids,
-            meta.decode_kv_offsets,
-            meta.decode_kv_lens,
-            meta.block_size,
-            scale,
-            cache.scales,
-        )
-        if not meta.prefills:
-            return decoded
-    out = torch.empty_like(q)
-    if nd:
-        out[:nd] = decoded
-    for p in meta.prefills:
-        chunk = slice(p.q_start, p.q_end)
-        kv_src = None
-        if p.kv_slots is None:  # the chunk is its own context: read what the cache holds (as it rounds)
-            slots = meta.slot_mapping[chunk]
-            kv_src = cache.read_k(slots, meta.block_size, q.dtype), cache.read_v(slots, meta.block_size, q.dtype)
-        out[chunk] = _prefill_attention(q[chunk], kv_src, cache, p, meta.block_size, scale)
-    return out
-
-
-def _prefill_attention(
-    q: torch.Tensor,
-    kv_src: tuple[torch.Tensor, torch.Tensor] | None,  # the chunk's own K/V when it is the whole context
-    cache: LayerKV,
-    p: PrefillSeq,
-    block_size: int,
-    scale: float,
-) -> torch.Tensor:
-    """A chunk's attention, one flash call per KV tile merged by log-sum-exp: the K/V copied and the
-    masks built for one call are bounded by the tile size, not by how long the context is."""
-    group = q.shape[1] // cache.k.shape[1]
-    if kv_src is not None and not p.tiles:  # plain causal over the chunk itself
-        # 4-D inputs: with 3-D ones torch's CPU dispatch skips the flash kernel for its math path
-        return F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            kv_src[0].transpose(0, 1)[None],
-            kv_src[1].transpose(0, 1)[None],
-            is_causal=True,
-            scale=scale,
-            enable_gqa=group != 1,
-        )[0].transpose(0, 1)
-
-    def load(t: KVTile) -> tuple[torch.Tensor, torch.Tensor]:
-        if kv_src is not None:
-            kt, vt = kv_src[0][t.lo : t.hi], kv_src[1][t.lo : t.hi]
-        else:
-            slots = p.kv_slots[t.lo : t.hi]
-            kt, vt = cache.read_k(slots, block_size, q.dtype), cache.read_v(slots, block_size, q.dtype)
-        heads = lambda x: x.repeat_interleave(group, dim=1).transpose(0, 1)[None]  # noqa: E731
-        return heads(kt), heads(vt)
-
-    return tiled_attention(q.transpose(0, 1)[None], p.tiles, load, scale)[0].transpose(0, 1)
-
-
-def tiled_attention(
-    qh: torch.Tensor,  # [1, heads, q, dim]
-    tiles: list[KVTile],
-    load: Callable[[KVTile], tuple[torch.Tensor, torch.Tensor]],  # a tile's K and V, [1, heads, t, dim]
-    scale: float,
-) -> torch.Tensor:
-    """Attention over KV tiles, one flash call each, merged by log-sum-exp: [1, heads, q, dim]."""
-    out = lse = None
-    for t in tiles:
-        kt, vt = load(t)
-        mask = None if t.mask is None else t.mask.to(qh.dtype)
-        tile_out, tile_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qh, kt, vt, attn_mask=mask, scale=scale
-        )
-        if t.blind_rows is not None:  # the kernel reports log-sum-exp 0 for a row that saw nothing
-            tile_lse = tile_lse.masked_fill(t.blind_rows, float("-inf"))
-        if out is None:
-            out, lse = tile_out, tile_lse
-            continue
-        merged = torch.logaddexp(lse, tile_lse)
-        out = out * (lse - merged).exp()[..., None] + tile_out * (tile_lse - merged).exp()[..., None]
-        lse = merged
-    return out
+    return paged_attention_op(
+        q,
+        cache.k,
+        cache.v,
+        meta.block_table,
+        meta.kv_offsets,
+        meta.kv_lens,
+        meta.block_size,
+        scale,
+        cache.scales,
+        meta.row_seq,
+    )

@@ -7,12 +7,14 @@ it reads only the cached latents."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.storage import LayerKV
-from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq, RMSNorm, tiled_attention
+from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq, RMSNorm
 from baton.models.model_config import TextModelConfig
 
 LATENT_NORM_EPS = 1e-6  # kv_a_layernorm / q_a_layernorm are built without eps: the class default
@@ -133,3 +135,28 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
     """Zero-pad the last dim to `width` (the CPU flash kernel wants one head size for q, k and v;
     zeros in q and k leave the scores alone, zeros in v only add output dims that are dropped)."""
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def tiled_attention(
+    qh: torch.Tensor,  # [1, heads, q, dim]
+    tiles: list[KVTile],
+    load: Callable[[KVTile], tuple[torch.Tensor, torch.Tensor]],  # a tile's K and V, [1, heads, t, dim]
+    scale: float,
+) -> torch.Tensor:
+    """Attention over KV tiles, one flash call each, merged by log-sum-exp: [1, heads, q, dim]."""
+    out = lse = None
+    for t in tiles:
+        kt, vt = load(t)
+        mask = None if t.mask is None else t.mask.to(qh.dtype)
+        tile_out, tile_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qh, kt, vt, attn_mask=mask, scale=scale
+        )
+        if t.blind_rows is not None:  # the kernel reports log-sum-exp 0 for a row that saw nothing
+            tile_lse = tile_lse.masked_fill(t.blind_rows, float("-inf"))
+        if out is None:
+            out, lse = tile_out, tile_lse
+            continue
+        merged = torch.logaddexp(lse, tile_lse)
+        out = out * (lse - merged).exp()[..., None] + tile_out * (tile_lse - merged).exp()[..., None]
+        lse = merged
+    return out

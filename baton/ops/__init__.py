@@ -153,7 +153,7 @@ def _remove(path: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def paged_decode_attention(
+def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -163,13 +163,15 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    row_seq: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[seqs, heads, dim] attention of one query token per sequence over positions
-    [kv_offset, kv_offset + kv_len) of the blocks its block_table row lists, read in place.
-    An fp8 cache comes with its K and V scales, [blocks, kv heads] each."""
+    """[rows, heads, dim] attention of each query row over positions [kv_offset, kv_offset + kv_len)
+    of the blocks block_table row row_seq[row] lists (row `row` without row_seq: one decode per
+    table row), read in place. A row's bits do not depend on the other rows of the call. An fp8
+    cache comes with its K and V scales, [blocks, kv heads] each."""
     k_scale, v_scale = kv_scales or (None, None)
-    return ops().paged_decode_attention(
-        q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale, k_scale, v_scale
+    return ops().paged_attention(
+        q, k_cache, v_cache, block_table, kv_offset, kv_len, block_size, scale, k_scale, v_scale, row_seq
     )
 
 

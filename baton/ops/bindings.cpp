@@ -12,10 +12,10 @@ void bind_fused_kimi_decoder(pybind11::module_& m);      // kimi_decode.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V, read in place",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("kv_offset"),
-        py::arg("kv_len"), py::arg("block_size"), py::arg("scale"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none(), release());
+  m.def("paged_attention", &paged_attention, "attention over paged K/V, read in place", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("kv_offset"), py::arg("kv_len"),
+        py::arg("block_size"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("row_seq") = py::none(), release());
   m.def("write_kv_fp8", &write_kv_fp8, "K or V into an fp8 cache with per-(block, head) scales", release());
   m.def("read_kv_fp8", &read_kv_fp8, "rows of an fp8 cache as float32", release());
   m.attr("PANEL_LANES") = panel_lanes();

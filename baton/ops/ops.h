@@ -6,17 +6,19 @@
 #include "fp8_kv.h"
 #include "quant_linear.h"
 
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, const torch::Tensor& block_table,
-                                     const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
-                                     int64_t block_size, double scale,
-                                     const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
-                                     const c10::optional<torch::Tensor>& v_scale = c10::nullopt);
+// Attention of each query row over its context in the paged caches (paged_attention.cpp): one
+// decode per block_table row, or (row_seq) the rows of prefill chunks reading one table row each.
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& block_table, const torch::Tensor& kv_offset,
+                              const torch::Tensor& kv_len, int64_t block_size, double scale,
+                              const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
+                              const c10::optional<torch::Tensor>& v_scale = c10::nullopt,
+                              const c10::optional<torch::Tensor>& row_seq = c10::nullopt);
 // Throws unless block_size >= 1 and each of the num_seqs contexts [kv_offset[s], kv_offset[s] + kv_len[s])
 // is non-empty, inside its block_table row, and reads only block ids in [0, num_blocks).
 void check_decode_context(const torch::Tensor& block_table, const torch::Tensor& kv_offset, const torch::Tensor& kv_len,
                           int64_t num_seqs, int64_t block_size, int64_t num_blocks);
-// paged_decode_attention for a context that check_decode_context passed with num_blocks at most the
+// paged_attention of one decode per table row, for a context that check_decode_context passed with num_blocks at most the
 // caches' slots / block_size: a decode step checks its context once, not once per layer.
 torch::Tensor paged_decode_attention_checked_context(const torch::Tensor& q, const torch::Tensor& k_cache,
                                                      const torch::Tensor& v_cache, const torch::Tensor& block_table,

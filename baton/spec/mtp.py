@@ -165,9 +165,10 @@ class MtpProposer:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_size=bs,
             num_decodes=len(rows),
-            decode_block_ids=torch.from_numpy(block_ids),
-            decode_kv_offsets=torch.ones(len(rows), dtype=torch.long),  # slot 0 holds no pair
-            decode_kv_lens=torch.tensor(lens, dtype=torch.long),
+            block_table=torch.from_numpy(block_ids),
+            kv_offsets=torch.ones(len(rows), dtype=torch.long),  # slot 0 holds no pair
+            kv_lens=torch.tensor(lens, dtype=torch.long),
+            row_seq=None,
             prefills=[],
         )
         groups = [meta if g.group_id == self.group_id else None for g in self.kv.spec.groups]
