@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from limits import read_gbs  # noqa: E402
 
 from baton.models.gguf_blocks import BLOCK_FORMATS  # noqa: E402
-from baton.ops import packed_linear, set_quant_kernel  # noqa: E402
+from baton.ops import packed_linear, regroup_blocks, set_quant_kernel  # noqa: E402
 
 LAYERS = 16
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
@@ -75,11 +75,12 @@ def main() -> None:
         weights = [(blocks(qtype, n, k, rng), n, k) for _ in range(LAYERS) for n, k in SHAPES.values()]
         weights.append((head, *LM_HEAD))
         nbytes = sum(w.numel() for w, _, _ in weights)
+        layouts = {"float": weights, "int8": [(regroup_blocks(w), n, k) for w, n, k in weights]}  # as loading does
         for rows in args.rows:
             ms = {}
             for kernel in ("float", "int8"):
                 set_quant_kernel(kernel)
-                ms[kernel] = token_ms(weights, rows, args.repeats)
+                ms[kernel] = token_ms(layouts[kernel], rows, args.repeats)
             floor = nbytes / rate / 1e6
             print(
                 f"{qtype:<6} {rows:>5} {ms['float']:>9.1f} {ms['int8']:>8.1f} {ms['int8'] / ms['float']:>10.2f} "

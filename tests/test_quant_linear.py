@@ -20,7 +20,7 @@ from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor, concat_rows
 from baton.models.gguf_file import GGUFFile
 from baton.models.loader import resolve_model_path
 from baton.models.quantize import QUANT_TYPES, quantize_matrix
-from baton.ops import dequantize_rows, packed_linear, quant_kernel, set_quant_kernel
+from baton.ops import dequantize_rows, packed_linear, quant_kernel, regroup_blocks, set_quant_kernel
 from tests.quant_ref import quantize_inputs, quantized_x
 
 FORMATS = list(BLOCK_FORMATS)
@@ -84,6 +84,11 @@ def spec_parts(rows: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
     return a.reshape(n, -1), zero.reshape(n, -1)
 
 
+def weights(t: BlockTensor) -> torch.Tensor:
+    """t's blocks as loading lays them out for the kernel in use: regrouped by 8 rows for int8."""
+    return regroup_blocks(t.blocks) if quant_kernel().startswith("int8") else t.blocks
+
+
 def check_against_gguf(x: torch.Tensor, rows: np.ndarray, qtype: str) -> None:
     """The float kernel against gguf's dequantized weight and x @ w^T in float64."""
     t = BlockTensor.from_rows(qtype, rows)
@@ -105,7 +110,7 @@ def check_against_spec(x: torch.Tensor, rows: np.ndarray, qtype: str) -> None:
     values = BLOCK_FORMATS[qtype][0]
     xq = quantized_x(x, values)
     expected = xq @ (a - b).T
-    y = packed_linear(x, t.blocks, None, t.shape[0]).double().numpy()
+    y = packed_linear(x, weights(t), None, t.shape[0]).double().numpy()
     bound = (x.shape[1] / 32 + 8) * 2.0**-23 * (np.abs(xq) @ (np.abs(a) + np.abs(b)).T)
     assert (np.abs(y - expected) <= bound + 1e-30).all(), np.abs(y - expected).max()
 
@@ -168,7 +173,7 @@ def test_every_instruction_set_gives_the_same_bits(qtype):
                 set_quant_kernel(name)
             except RuntimeError:
                 continue
-            results[name] = packed_linear(x, t.blocks, None, 20)
+            results[name] = packed_linear(x, weights(t), None, 20)
     finally:
         set_quant_kernel("float")
     assert "int8-avx2" in results
@@ -177,9 +182,10 @@ def test_every_instruction_set_gives_the_same_bits(qtype):
 
 
 def test_kernels_are_chosen_by_name():
+    before = quant_kernel()
     with pytest.raises(RuntimeError, match="no quantized-linear kernel int8-sse9"):
         set_quant_kernel("int8-sse9")
-    assert quant_kernel() == "float"
+    assert quant_kernel() == before  # a refused name changes nothing
     try:
         assert set_quant_kernel("int8").startswith("int8-") and quant_kernel().startswith("int8-")
     finally:
@@ -191,7 +197,7 @@ def test_int8_rows_of_non_finite_inputs_are_non_finite(int8_kernel):
     x = torch.randn(3, 256)
     x[1, 7] = float("nan")
     x[2, 9] = float("inf")
-    y = packed_linear(x, t.blocks, None, 8)
+    y = packed_linear(x, weights(t), None, 8)
     assert y[0].isfinite().all() and y[1].isnan().all() and y[2].isnan().all()
 
 
@@ -210,14 +216,25 @@ def check_row_bits(qtype: str) -> None:
     k = 1024  # rows of x per pass: 252 (float), 256 (int8); 300 rows cross passes
     t = BlockTensor.from_rows(qtype, quantize_matrix(torch.randn(50, k, generator=g), QUANT_TYPES[qtype.lower()]))
     x = torch.randn(300, k, generator=g)
-    together = packed_linear(x, t.blocks, None, 50)
+    w = weights(t)
+    together = packed_linear(x, w, None, 50)
     for rows in (1, 2, 3, 4, 5, 7, 9, 65):
-        assert torch.equal(packed_linear(x[:rows], t.blocks, None, 50), together[:rows])
-    assert torch.equal(packed_linear(x[200:201], t.blocks, None, 50), together[200:201])
+        assert torch.equal(packed_linear(x[:rows], w, None, 50), together[:rows])
+    assert torch.equal(packed_linear(x[200:201], w, None, 50), together[200:201])
     strided = torch.randn(300, 2 * k, generator=g)[:, :k]  # rows with a stride, as a view of a wider tensor
-    assert torch.equal(
-        packed_linear(strided, t.blocks, None, 50), packed_linear(strided.contiguous(), t.blocks, None, 50)
-    )
+    assert torch.equal(packed_linear(strided, w, None, 50), packed_linear(strided.contiguous(), w, None, 50))
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_regrouped_blocks_hold_every_row(qtype):
+    """A regrouped weight (the last group padded with copies of the last row) reads back as shipped."""
+    t = BlockTensor.from_rows(qtype, random_blocks(qtype, 21, 512, seed=3))
+    expected = t.dequantize()
+    t.regroup()
+    assert t.blocks.shape == (3, 512 // BLOCK_FORMATS[qtype][0], 8, BLOCK_FORMATS[qtype][1])
+    assert t.shape == (21, 512) and torch.equal(t.dequantize(), expected)
+    ids = torch.tensor([20, 0, 7, 8, 20])
+    assert torch.equal(dequantize_rows(t.blocks, ids), expected[ids])
 
 
 def test_widened_parts_keep_their_values():

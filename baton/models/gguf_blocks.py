@@ -20,10 +20,21 @@ _WIDENS_TO_Q8_0 = ("Q4_0", "Q5_0", "Q8_0")
 
 @dataclass
 class BlockTensor:
-    """An [N, K] matrix in one GGUF block format: blocks uint8 [N, K / values, bytes]."""
+    """An [N, K] matrix in one GGUF block format: blocks uint8 [N, K / values, bytes] as the file
+    ships them, or regrouped for the integer kernels, [ceil(N / 8), K / values, 8, bytes]."""
 
     qtype: str
     blocks: torch.Tensor
+    num_rows: int | None = None  # N, once regrouped
+
+    def regroup(self) -> None:
+        """Regroup for the integer kernels (baton/ops/quant_int.cpp), in place: a tied embedding and
+        lm_head go on sharing one copy (a lookup reads a regrouped row back)."""
+        if self.blocks.dim() == 3:
+            from baton.ops import regroup_blocks
+
+            self.num_rows = self.blocks.shape[0]
+            self.blocks = regroup_blocks(self.blocks)
 
     @classmethod
     def from_rows(cls, qtype: str, rows: np.ndarray | torch.Tensor) -> BlockTensor:
@@ -39,7 +50,7 @@ class BlockTensor:
     @property
     def shape(self) -> tuple[int, int]:
         values, _ = BLOCK_FORMATS[self.qtype]
-        return self.blocks.shape[0], self.blocks.shape[1] * values
+        return self.num_rows or self.blocks.shape[0], self.blocks.shape[1] * values
 
     @property
     def nbytes(self) -> int:
@@ -49,7 +60,7 @@ class BlockTensor:
         """float32 [N, K], the values baton's kernels compute with."""
         from baton.ops import dequantize_rows
 
-        return dequantize_rows(self.blocks, torch.arange(self.blocks.shape[0]))
+        return dequantize_rows(self.blocks, torch.arange(self.shape[0]))
 
 
 def concat_rows(parts: list[BlockTensor]) -> BlockTensor | None:

@@ -215,6 +215,11 @@ def quant_block_values(blocks: torch.Tensor) -> int:
     return ops().quant_block_values(blocks)
 
 
+def regroup_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF blocks [N, blocks, bytes] regrouped for the integer kernels: [ceil(N / 8), blocks, 8, bytes]."""
+    return ops().regroup_blocks(blocks)
+
+
 def set_quant_kernel(name: str) -> str:
     """The kernel of this process's GGUF-block linears: float (dequantized in registers, float32
     multiply-adds), int8 (x quantized per block, integer dot products on the best instruction set

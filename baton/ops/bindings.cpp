@@ -24,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows, "rows of a weight in GGUF blocks, as float32", release());
   m.attr("QUANT_KERNELS") = quant_kernels_available();
   m.def("quant_block_values", &quant_block_values, "values per block of a weight in GGUF blocks", release());
+  m.def("regroup_blocks", &regroup_blocks, "GGUF blocks regrouped by 8 rows for the integer kernels", release());
   m.def("set_quant_kernel", &set_quant_kernel, "kernel of the GGUF-block linears: float, int8, int8-<isa>");
   m.def("quant_kernel", &quant_kernel, "kernel of the GGUF-block linears in use");
   m.def("rms_norm", &rms_norm, "RMS norm of rows, optionally of residual += x", release());

@@ -2,9 +2,9 @@
 // Q8_0 / Q8_K do but with float32 scales (int8 codes round(x / d) to nearest even, d = max |x| /
 // 127 per 32 values for the 32-value formats, per 256 for the K formats), and the dot products in
 // integers (quant_int_kernels.h): VNNI where the CPU has it, maddubs + madd on AVX2, chosen at run
-// time (set_quant_kernel). Each thread takes a run of output rows; each output row meets up to 4
-// rows of x at a time, its blocks unpacked once for them. A row's bits depend neither on the other
-// rows nor on the instruction set.
+// time (set_quant_kernel). Each thread takes a run of groups of 8 output rows; a group's blocks are
+// gathered once for every 4 rows of x. A row's bits depend neither on the other rows nor on the
+// instruction set.
 #include "quant_linear.h"
 
 #include "cpu_vec.h"
@@ -27,8 +27,8 @@
 namespace {
 
 // x as the kernels read it: R rows starting at q (int8, `stride` codes apart), their scales and
-// sums `bstride` scales apart: for the 32-value formats a scale per 32 values (d) and d times the
-// codes' sum (s); for the K formats a scale per 256 (d) and the codes' sum per 32 (bsum)
+// sums `bstride` scales apart: a scale per 32 values (d) for the 32-value formats, per 256 for the
+// K formats; the codes' sum per 32 values (bsum); for the 32-value formats also d times it (s)
 struct XRows {
   const int8_t* q;
   const float* d;
@@ -72,7 +72,9 @@ namespace {
 constexpr int64_t kRows = 4;                      // rows of x per weight-row pass
 constexpr int64_t kRowBlockBytes = 256 * 1024;    // quantized x rows a pass keeps in L2
 
-using DotRows = void (*)(int64_t, const uint8_t*, int64_t, const XRows&, float*, int64_t, float);
+constexpr int64_t kGroup = 8;                     // output rows of a kernel call, one per lane
+
+using DotRows = void (*)(int64_t, const uint8_t*, int64_t, const XRows&, float*, int64_t, int64_t, const float*);
 
 struct Isa {
   const char* name;
@@ -80,7 +82,7 @@ struct Isa {
   DotRows rows[kRows];  // rows[R - 1]: R rows at once
 };
 
-#define BATON_ISA(ns) {&ns::dot_rows<1>, &ns::dot_rows<2>, &ns::dot_rows<3>, &ns::dot_rows<4>}
+#define BATON_ISA(ns) {&ns::dot8_rows<1>, &ns::dot8_rows<2>, &ns::dot8_rows<3>, &ns::dot8_rows<4>}
 const Isa kIsas[] = {
 #ifdef BATON_VNNI_TARGETS
     {"avx512_vnni",
@@ -129,50 +131,128 @@ void quantize_row(const float* x, int64_t k, int64_t per, int8_t* q, float* d, f
         sum += v;
       }
       if (per == 32) s[b] = scale * static_cast<float>(sum);
-      else bsum[(b * per + c) / 32] = static_cast<int16_t>(sum);
+      bsum[(b * per + c) / 32] = static_cast<int16_t>(sum);
+    }
+  }
+}
+
+// A format's block as fields in row order: an fp16 ('h'), 32 bits ('u') or 16 bytes of codes ('c')
+// at each offset; regrouped, a field of s bytes at o becomes 8 s bytes at 8 o (lane r: row r's s
+// bytes, the 16 code bytes as four 32-byte runs of each row's bytes [4t, 4t + 4)).
+struct Field {
+  char kind;
+  int64_t offset;
+};
+
+std::vector<Field> fields_of(int64_t block_bytes) {
+  auto codes = [](int64_t from, int64_t to) {
+    std::vector<Field> f;
+    for (int64_t o = from; o < to; o += 16) f.push_back({'c', o});
+    return f;
+  };
+  auto join = [](std::vector<Field> a, const std::vector<Field>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  switch (block_bytes) {
+    case 18: return {{'h', 0}, {'c', 2}};                                                      // Q4_0
+    case 20: return {{'h', 0}, {'h', 2}, {'c', 4}};                                            // Q4_1
+    case 22: return {{'h', 0}, {'u', 2}, {'c', 6}};                                            // Q5_0
+    case 24: return {{'h', 0}, {'h', 2}, {'u', 4}, {'c', 8}};                                  // Q5_1
+    case 34: return {{'h', 0}, {'c', 2}, {'c', 18}};                                           // Q8_0
+    case 144: return join({{'h', 0}, {'h', 2}, {'u', 4}, {'u', 8}, {'u', 12}}, codes(16, 144));  // Q4_K
+    case 176: return join({{'h', 0}, {'h', 2}, {'u', 4}, {'u', 8}, {'u', 12}}, codes(16, 176));  // Q5_K
+    case 210: return join(codes(0, 192), {{'u', 192}, {'u', 196}, {'u', 200}, {'u', 204}, {'h', 208}});  // Q6_K
+  }
+  TORCH_CHECK(false, "no GGUF block format of ", block_bytes, " bytes");
+}
+
+// Copies between a row's block and lane `lane` of its group's regrouped block, either way.
+template <bool ToGroup>
+void move_lane(uint8_t* group_block, const std::vector<Field>& fields, int64_t lane, uint8_t* row_block) {
+  for (const Field& f : fields) {
+    const int64_t size = f.kind == 'h' ? 2 : 4;
+    for (int64_t t = 0; t < (f.kind == 'c' ? 4 : 1); ++t) {
+      uint8_t* g = group_block + 8 * f.offset + 32 * t + size * lane;
+      uint8_t* r = row_block + f.offset + 4 * t;
+      if constexpr (ToGroup) std::memcpy(g, r, size);
+      else std::memcpy(r, g, size);
     }
   }
 }
 
 }  // namespace
 
-bool quant_int_selected() { return g_isa.load() != nullptr; }
+torch::Tensor regroup_blocks(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.device().is_cpu(),
+              "regroup_blocks takes a contiguous uint8 [N, blocks, block bytes] on the CPU, got ", weight.scalar_type(),
+              " ", weight.sizes());
+  const int64_t n = weight.size(0), blocks = weight.size(1), bytes = weight.size(2), groups = (n + 7) / 8;
+  const std::vector<Field> fields = fields_of(bytes);
+  auto out = torch::empty({groups, blocks, 8, bytes}, weight.options());
+  const uint8_t* src = weight.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> row(bytes);
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t lane = 0; lane < 8; ++lane) {
+        const int64_t r = std::min(g * 8 + lane, n - 1);  // past the last row: copies of it
+        for (int64_t b = 0; b < blocks; ++b) {
+          std::memcpy(row.data(), src + (r * blocks + b) * bytes, bytes);
+          move_lane<true>(dst + (g * blocks + b) * 8 * bytes, fields, lane, row.data());
+        }
+      }
+  });
+  return out;
+}
+
+void regrouped_row(const uint8_t* group, int64_t lane, int64_t blocks, int64_t block_bytes, uint8_t* row) {
+  const std::vector<Field> fields = fields_of(block_bytes);
+  for (int64_t b = 0; b < blocks; ++b)
+    move_lane<false>(const_cast<uint8_t*>(group) + b * 8 * block_bytes, fields, lane, row + b * block_bytes);
+}
 
 torch::Tensor quant_int_linear(const torch::Tensor& x, const torch::Tensor& weight, const float* bias, int64_t n_dim,
                                int64_t block_values) {
-  const int64_t blocks = weight.size(1), block_bytes = weight.size(2), k_dim = blocks * block_values;
-  const int64_t rows = x.size(0), row_bytes = blocks * block_bytes, per = block_values;
-  const int64_t nd = k_dim / per;  // scales per row
+  const int64_t groups = weight.size(0), blocks = weight.size(1), block_bytes = weight.size(3);
+  const int64_t k_dim = blocks * block_values, rows = x.size(0), group_bytes = 8 * blocks * block_bytes;
+  const int64_t per = block_values, nd = k_dim / per;  // scales per row
   QuantizedX qx;
   qx.q.resize(rows * k_dim);
   qx.d.resize(rows * nd);
   qx.s.resize(per == 32 ? rows * nd : 0);
-  qx.bsum.resize(per == 32 ? 0 : rows * k_dim / 32);
+  qx.bsum.resize(rows * k_dim / 32);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       quantize_row(xp + r * x.stride(0), k_dim, per, qx.q.data() + r * k_dim, qx.d.data() + r * nd,
-                   per == 32 ? qx.s.data() + r * nd : nullptr, per == 32 ? nullptr : qx.bsum.data() + r * k_dim / 32);
+                   per == 32 ? qx.s.data() + r * nd : nullptr, qx.bsum.data() + r * k_dim / 32);
   });
   auto y = torch::empty({rows, n_dim}, x.options());
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const Isa& isa = *g_isa.load();
+  const Isa* chosen = g_isa.load();
+  const Isa& isa = chosen ? *chosen : *best_isa();  // a weight regrouped before the float kernel was chosen
+  const int64_t tail = n_dim - (groups - 1) * kGroup;  // outputs of the last group
+  std::vector<float> tail_bias(kGroup, 0.f);
+  for (int64_t i = 0; bias && i < tail; ++i) tail_bias[i] = bias[(groups - 1) * kGroup + i];
   const int64_t block_rows = std::max<int64_t>(kRows, kRowBlockBytes / k_dim / kRows * kRows);
   for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
     const int64_t r1 = std::min(rows, r0 + block_rows);
-    at::parallel_for(0, n_dim, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        const float b = bias ? bias[n] : 0.f;
+    at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t outputs = g == groups - 1 ? tail : kGroup;
+        const float* b = bias == nullptr ? nullptr : outputs < kGroup ? tail_bias.data() : bias + g * kGroup;
         for (int64_t r = r0; r < r1; r += kRows) {
           const int64_t count = std::min(kRows, r1 - r);
           const XRows xr{qx.q.data() + r * k_dim,
                          qx.d.data() + r * nd,
                          per == 32 ? qx.s.data() + r * nd : nullptr,
-                         per == 32 ? nullptr : qx.bsum.data() + r * k_dim / 32,
+                         qx.bsum.data() + r * k_dim / 32,
                          k_dim,
                          nd};
-          isa.rows[count - 1](block_bytes, wp + n * row_bytes, blocks, xr, yp + r * n_dim + n, n_dim, b);
+          isa.rows[count - 1](block_bytes, wp + g * group_bytes, blocks, xr, yp + r * n_dim + g * kGroup, n_dim,
+                              outputs, b);
         }
       }
     });
@@ -205,8 +285,11 @@ std::string quant_kernel() {
 
 #else  // no AVX2: quant_linear.cpp refuses weights in blocks
 
-bool quant_int_selected() { return false; }
 torch::Tensor quant_int_linear(const torch::Tensor&, const torch::Tensor&, const float*, int64_t, int64_t) {
+  TORCH_CHECK(false, "the integer kernels need AVX2");
+}
+torch::Tensor regroup_blocks(const torch::Tensor&) { TORCH_CHECK(false, "the integer kernels need AVX2"); }
+void regrouped_row(const uint8_t*, int64_t, int64_t, int64_t, uint8_t*) {
   TORCH_CHECK(false, "the integer kernels need AVX2");
 }
 std::string set_quant_kernel(const std::string& name) {

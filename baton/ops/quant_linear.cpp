@@ -93,12 +93,13 @@ constexpr Format kFormats[] = {
 #undef BATON_FORMAT
 
 const Format& format_of(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
-              "a quantized weight must be contiguous uint8 [N, blocks, block bytes] on the CPU, got ",
-              w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK((w.dim() == 3 || (w.dim() == 4 && w.size(2) == 8)) && w.scalar_type() == at::kByte &&
+                  w.is_contiguous() && w.device().is_cpu(),
+              "a quantized weight must be contiguous uint8 [N, blocks, block bytes] (or regrouped, [N / 8, ",
+              "blocks, 8, block bytes]) on the CPU, got ", w.scalar_type(), " ", w.sizes());
   for (const Format& f : kFormats)
-    if (f.block_bytes == w.size(2)) return f;
-  TORCH_CHECK(false, "no GGUF block format of ", w.size(2), " bytes (Q8_0 34, Q4_0 18, Q4_1 20, Q5_0 22, Q5_1 24, ",
+    if (f.block_bytes == w.size(-1)) return f;
+  TORCH_CHECK(false, "no GGUF block format of ", w.size(-1), " bytes (Q8_0 34, Q4_0 18, Q4_1 20, Q5_0 22, Q5_1 24, ",
               "Q4_K 144, Q5_K 176, Q6_K 210)");
 }
 
@@ -144,9 +145,13 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& weight, 
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.device().is_cpu(),
               "x must be float32 [rows, K] on the CPU, contiguous in K, got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(x.size(1) == k_dim, "x has K = ", x.size(1), " input features, the quantized weight ", k_dim);
+  if (weight.dim() == 4) {  // regrouped for the integer kernels
+    TORCH_CHECK((n_dim + 7) / 8 == weight.size(0), "out_features = ", n_dim, " but the regrouped weight has ",
+                weight.size(0), " groups of 8 rows");
+    return quant_int_linear(x, weight, bias, n_dim, f.block_values);
+  }
   TORCH_CHECK(n_dim == weight.size(0), "out_features = ", n_dim, " but the quantized weight has ", weight.size(0),
               " rows");
-  if (quant_int_selected()) return quant_int_linear(x, weight, bias, n_dim, f.block_values);
   const int64_t rows = x.size(0), row_bytes = blocks * f.block_bytes, x_stride = x.stride(0);
   auto y = torch::empty({rows, n_dim}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -188,7 +193,9 @@ torch::Tensor dequantize_rows(const torch::Tensor& weight, const torch::Tensor& 
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.device().is_cpu(),
               "ids must be int64 [n] on the CPU, got ", ids.scalar_type(), " ", ids.sizes());
   const torch::Tensor idx = ids.contiguous();
-  const int64_t n = idx.size(0), rows = weight.size(0), blocks = weight.size(1), k_dim = blocks * f.block_values;
+  const bool regrouped = weight.dim() == 4;
+  const int64_t n = idx.size(0), rows = weight.size(0) * (regrouped ? 8 : 1), blocks = weight.size(1);
+  const int64_t k_dim = blocks * f.block_values, row_bytes = blocks * f.block_bytes;
   const int64_t* id = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(id[i] >= 0 && id[i] < rows, "row id ", id[i], " outside the weight's ", rows, " rows");
@@ -196,8 +203,15 @@ torch::Tensor dequantize_rows(const torch::Tensor& weight, const torch::Tensor& 
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      f.dequant_row(wp + id[i] * blocks * f.block_bytes, blocks, op + i * k_dim);
+    std::vector<uint8_t> row(regrouped ? row_bytes : 0);
+    for (int64_t i = begin; i < end; ++i) {
+      if (!regrouped) {
+        f.dequant_row(wp + id[i] * row_bytes, blocks, op + i * k_dim);
+        continue;
+      }
+      regrouped_row(wp + id[i] / 8 * 8 * row_bytes, id[i] % 8, blocks, f.block_bytes, row.data());
+      f.dequant_row(row.data(), blocks, op + i * k_dim);
+    }
   });
   return out;
 }
