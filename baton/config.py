@@ -146,7 +146,7 @@ class ServerConfig:
             raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
 
 
-SPEC_METHODS = ("ngram", "draft_model", "mtp")
+SPEC_METHODS = ("ngram", "suffix", "draft_model", "mtp")
 
 
 @dataclass
@@ -154,14 +154,24 @@ class SpeculativeConfig:
     """vLLM's --speculative-config: a proposer drafts tokens, one forward verifies them all."""
 
     method: str = "ngram"
-    """ngram: prompt lookup over the prompt and the output; draft_model: a smaller (or quantized)
-    model with the same tokenizer; mtp: the model's own multi-token-prediction layers."""
+    """ngram: prompt lookup over the prompt and the output; suffix: the most frequent continuations
+    of the latest tokens in the prompt, the output and recent requests' outputs (spec/suffix.py);
+    draft_model: a smaller (or quantized) model with the same tokenizer; mtp: the model's own
+    multi-token-prediction layers."""
     num_speculative_tokens: int = 4
     """The most tokens drafted per request and step (k); each request's own k follows its
     measured acceptance between 1 and this."""
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     """ngram: the longest suffix of this many tokens (down to the min) found earlier is followed."""
+    suffix_max_depth: int = 24
+    """suffix: the longest run of latest tokens matched."""
+    suffix_min_token_prob: float = 0.1
+    """suffix: a draft token's share of the continuations seen at its place, at least."""
+    suffix_max_spec_factor: float = 1.0
+    """suffix: a step drafts at most this many tokens per token of the match."""
+    suffix_cache_tokens: int = 65536
+    """suffix: recent requests' output tokens kept per cache salt."""
     model: str | None = None
     """draft_model: a known name, HF directory or .gguf; its vocabulary must be the target's."""
     quantization: str | None = None
@@ -184,6 +194,14 @@ class SpeculativeConfig:
                 "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= 32, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
+        if not 1 <= self.suffix_max_depth <= 64:
+            raise ValueError(f"suffix_max_depth must be in [1, 64], got {self.suffix_max_depth}")
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            raise ValueError(f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}")
+        if not 0.0 < self.suffix_max_spec_factor <= 16.0:
+            raise ValueError(f"suffix_max_spec_factor must be in (0, 16], got {self.suffix_max_spec_factor}")
+        if not 0 <= self.suffix_cache_tokens <= 1 << 24:
+            raise ValueError(f"suffix_cache_tokens must be in [0, 2^24], got {self.suffix_cache_tokens}")
         if self.method == "draft_model" and not self.model:
             raise ValueError('speculative method "draft_model" needs "model"')
         if self.method != "draft_model" and (self.model or self.quantization):

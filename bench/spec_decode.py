@@ -7,6 +7,7 @@ shipped (Q4_1) with an input-grounded workload: rewrite a given passage, edit a 
 Servers, each computing on the same 2 cores:
   baton            no speculation
   baton ngram      --speculative-config {"method": "ngram", ...} (prompt lookup)
+  baton suffix     {"method": "suffix"} (suffix decoding over the prompt, output and recent outputs)
   baton draft      {"method": "draft_model"} with the target requantized to Q4_0 by llama-quantize
   llama.cpp        no speculation
   llama.cpp ngram  --spec-type ngram-simple (its prompt lookup)
@@ -194,12 +195,14 @@ def q4_0_draft(cache: Path, target: Path) -> Path:
 def server_specs(k: int, draft: Path, peers: list[str]) -> list[tuple[str, str, list[str]]]:
     """(label, peer, extra flags) of every server, in run order."""
     ngram = {"method": "ngram", "num_speculative_tokens": k}
+    suffix = {"method": "suffix", "num_speculative_tokens": k}
     drafted = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
     specs = []
     if "baton" in peers:
         specs += [
             ("baton", "baton", []),
             ("baton ngram", "baton", ["--speculative-config", json.dumps(ngram)]),
+            ("baton suffix", "baton", ["--speculative-config", json.dumps(suffix)]),
             ("baton draft", "baton", ["--speculative-config", json.dumps(drafted)]),
         ]
     if "llama.cpp" in peers:

@@ -8,6 +8,7 @@ import json
 import random
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from baton import LLM, SamplingParams
 from baton.config import SpeculativeConfig
 from baton.sampling_params import StructuredOutputsParams
 from baton.spec.ngram import propose_ngram
+from baton.spec.suffix import SEPARATOR, SuffixProposer, longest_match, walk
 from tests.conftest import PROMPTS
 from tests.test_handoff import prefill_span, run_imported
 from tests.test_random_models import make_model
@@ -45,7 +47,8 @@ def _ids(llm: LLM, prompts) -> list[dict]:
 
 def _all_free(llm: LLM) -> bool:
     spec = llm.engine.spec
-    return llm.engine.kv.all_free() and (spec is None or spec.draft is None or spec.draft.kv.all_free())
+    draft_kv = getattr(spec.draft, "kv", None) if spec is not None else None  # the suffix drafter has none
+    return llm.engine.kv.all_free() and (draft_kv is None or draft_kv.all_free())
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +64,48 @@ def test_ngram_proposals_follow_the_latest_full_match():
     assert propose_ngram([9, 2, 3, 7, 4, 2, 3, 5, 9, 2, 3], 1, 2, 3) == [7]
     assert propose_ngram([1, 2, 3, 4], 3, 2, 5) == []
     assert propose_ngram([1, 2], 0, 1, 2) == []
+
+
+def test_suffix_walk_follows_the_most_frequent_continuation():
+    a = np.array([1, 2, 3, 1, 2, 4, 1, 2, 3, 9, 1, 2])
+    n, ends = longest_match(a, a, 24)
+    assert n == 2 and ends.tolist() == [1, 4, 7]  # "1 2" occurred three times before the end
+    # 3 twice, 4 once; after "3": 1 and 9 once each (a tie: the smaller id); then "3 1" went on "2 4"
+    assert walk([(a, ends)], 4, 0.1) == [3, 1, 2, 4]
+    assert walk([(a, ends)], 4, 0.7) == []  # 3's share is 2/3
+    b = np.array([5, 6, SEPARATOR, 5, 6, 7])
+    n, ends = longest_match(b, np.array([5, 6]), 24)
+    assert walk([(b, ends)], 3, 0.1) == [7]  # never across a separator: one continuation, 7
+    assert longest_match(a, np.array([8]), 24)[0] == 0
+
+
+def test_suffix_drafts_recent_outputs_of_the_same_salt_only():
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=8)
+    proposer = SuffixProposer(config)
+
+    class Req:
+        def __init__(self, rid, tokens, salt=b""):
+            self.request_id, self.token_ids, self.cache_salt = rid, tokens, salt
+            self.output_token_ids = tokens[2:]
+
+    done = Req("a", [1, 2, 10, 11, 12, 13, 14, 15])
+    proposer.observe([done])
+    proposer.release(set())
+    assert proposer.propose([(Req("b", [7, 10, 11]), 8)]) == [[12, 13]]  # spec factor 1: two tokens of match
+    assert proposer.propose([(Req("c", [7, 10, 11], salt=b"other"), 8)]) == [[]]
+
+
+def test_greedy_suffix_is_exact_and_reuses_recent_outputs(smollm2):
+    prompts = _ids(smollm2, GROUNDED + PROMPTS[:2])
+    expected = [_tokens(smollm2, [p])[0] for p in prompts]
+    llm = LLM("smollm2-135m", progress=False, speculative_config={**NGRAM, "method": "suffix"})
+    spec = llm.engine.spec
+    assert _tokens(llm, prompts) == expected  # batched
+    first = spec.num_accepted_tokens
+    assert first > 20 and first < spec.num_draft_tokens
+    assert _tokens(llm, prompts[3:4]) == expected[3:4]  # a prompt that repeats nothing: drafts from the last output
+    assert spec.num_accepted_tokens - first >= 20
+    assert _all_free(llm) and not spec.draft.requests
 
 
 def test_speculative_config_errors_name_the_problem():

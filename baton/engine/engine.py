@@ -99,6 +99,10 @@ class LLMEngine:
             from baton.spec.mtp import MtpProposer
 
             draft = MtpProposer(self.model, self.kv, self.storage)
+        if spec.method == "suffix":
+            from baton.spec.suffix import SuffixProposer
+
+            draft = SuffixProposer(spec)
         if spec.method == "draft_model":
             from baton.spec.draft_model import DraftModelProposer
 

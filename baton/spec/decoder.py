@@ -93,7 +93,7 @@ def _least_squares(samples: list[tuple[int, float]]) -> tuple[float, float] | No
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, draft=None, allowed_drafts=None) -> None:
         self.config = config
-        self.draft = draft  # a DraftModelProposer (draft_model) or an MtpProposer (mtp); None: n-gram
+        self.draft = draft  # a SuffixProposer, DraftModelProposer or MtpProposer; None: n-gram
         self.allowed_drafts = allowed_drafts  # (request, drafts) -> drafts cut where its grammar forbids
         k = config.num_speculative_tokens
         self.num_drafts = 0  # verifications with at least one draft
@@ -130,6 +130,8 @@ class SpecDecoder:
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` of the running requests the next step verifies."""
+        if self.draft is not None and hasattr(self.draft, "observe"):
+            self.draft.observe(running)
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) >= limit:
             for req in running:
