@@ -3,7 +3,7 @@
 // 127 per 32 values for the 32-value formats, per 256 for the K formats), and the dot products in
 // integers (quant_int_kernels.h): VNNI where the CPU has it, maddubs + madd on AVX2, chosen at run
 // time (set_quant_kernel). Each thread takes a run of groups of 8 output rows; a group's blocks are
-// gathered once for every 4 rows of x. A row's bits depend neither on the other rows nor on the
+// unpacked once for every 4 rows of x. A row's bits depend neither on the other rows nor on the
 // instruction set.
 #include "quant_linear.h"
 
@@ -69,7 +69,7 @@ namespace isa_avx_vnni {
 
 namespace {
 
-constexpr int64_t kRows = 4;                      // rows of x per weight-row pass
+constexpr int64_t kRows = 4;                      // rows of x per pass over a group of weight rows
 constexpr int64_t kRowBlockBytes = 256 * 1024;    // quantized x rows a pass keeps in L2
 
 constexpr int64_t kGroup = 8;                     // output rows of a kernel call, one per lane
