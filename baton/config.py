@@ -315,17 +315,20 @@ class EnvSettings:
     api_key: str | None = None
     kv_secret: str | None = None
     router_admin_key: str | None = None
-    quant_kernel: str = "int8"
-    """BATON_QUANT_KERNEL: the kernel of GGUF-block linears (baton/ops/quant_linear.h): int8
-    (activations quantized per block, integer dot products; int8-avx2 etc. force an instruction
-    set, all giving the same bits), or float (blocks dequantized in registers, float32 products:
-    the gguf package's float32 weights bit for bit)."""
+    quant_kernel: str = "float"
+    """BATON_QUANT_KERNEL: the kernel of GGUF-block linears (baton/ops/quant_linear.h): float
+    (blocks dequantized in registers, float32 products: the gguf package's float32 weights bit for
+    bit), or int8 (activations quantized per block, integer dot products on weights regrouped at
+    load; int8-avx2 etc. force an instruction set, all giving the same bits). int8 is not the
+    default yet: under tensor parallelism a row-parallel linear's per-rank partial sums round
+    otherwise than one rank's sum, and int8's codes turn that into other tokens (TP=2 against one
+    rank on SmolLM2: the 6th token), where the float kernel keeps them."""
     faults: dict[str, int] = field(default_factory=dict)
     """BATON_FAULTS="stage=token,...": tests' fault points (engine/faults.py); empty in service."""
 
     @classmethod
     def read(cls) -> EnvSettings:
-        quant_kernel = os.environ.get("BATON_QUANT_KERNEL", "int8")
+        quant_kernel = os.environ.get("BATON_QUANT_KERNEL", "float")
         if quant_kernel not in QUANT_KERNELS:
             raise ValueError(f"BATON_QUANT_KERNEL must be one of {', '.join(QUANT_KERNELS)}, not {quant_kernel!r}")
         threads = os.environ.get("BATON_NUM_THREADS")

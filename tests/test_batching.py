@@ -84,3 +84,22 @@ def test_preemption_completes_with_same_outputs(smollm2):
     assert _tokens(cached, prompts, params) == expected
     assert cached.engine.scheduler.num_preemptions > 0
     assert cached.engine.kv.all_free()
+
+
+def test_int8_kernel_tokens_hold_across_batching_chunking_prefix_hits_and_preemption(monkeypatch):
+    """The integer GGUF kernels (BATON_QUANT_KERNEL=int8): a row's bits independent of its batch
+    in the linears and the attention, so greedy tokens are too."""
+    monkeypatch.setenv("BATON_QUANT_KERNEL", "int8")
+    llm = LLM("smollm2-135m", progress=False)
+    from baton.ops import quant_kernel
+
+    assert quant_kernel().startswith("int8-")
+    prompts = [{"prompt_token_ids": llm.get_tokenizer().encode(p)} for p in [*PROMPTS[:5], _words(1, 20)]]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    alone = [_tokens(llm, [p], params)[0] for p in prompts]
+    assert _tokens(llm, prompts, params) == alone  # together, every prompt a prefix hit
+    chunked = LLM("smollm2-135m", progress=False, max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert _tokens(chunked, prompts, params) == alone
+    small = LLM("smollm2-135m", progress=False, num_kv_blocks=12, max_model_len=128, enable_prefix_caching=False)
+    assert _tokens(small, prompts[:5], params) == alone[:5]
+    assert small.engine.scheduler.num_preemptions > 0 and small.engine.kv.all_free()
