@@ -72,7 +72,7 @@ class ModelRunner:
             if group.kind.is_mla:
                 prefills.append(self._mla_prefill(row, s.start, end, table, window))
             else:
-                prefills.append(PrefillSeq(row, end - s.start + row, None, []))
+                prefills.append(PrefillSeq(row, row + s.num_new_tokens, None, []))
             row += s.num_new_tokens
         tables = decode_tables + chunk_tables
         block_table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)

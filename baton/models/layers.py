@@ -270,7 +270,7 @@ class GroupAttnMetadata:
     block_size: int
     num_decodes: int  # the first num_decodes rows of the batch are single-token decodes
     block_table: torch.Tensor  # [seqs, max_blocks]: a row per decode, in order, then one per prefill chunk
-    kv_offsets: torch.Tensor  # [num_tokens] first position each row reads, within its table row's first block
+    kv_offsets: torch.Tensor  # [num_tokens] first position each row reads, counted from its table row's start
     kv_lens: torch.Tensor  # [num_tokens] positions each row reads from there on
     row_seq: torch.Tensor | None  # [num_tokens] each row's block_table row; None: row i reads row i
     prefills: list[PrefillSeq]

@@ -14,6 +14,7 @@
 namespace paged_attn {
 
 constexpr int64_t kVecLanes = Vec::size();
+constexpr int64_t kAccumulators = kVecLanes == 16 ? 12 : 8;  // vectors a kernel keeps summing at once (of 32 or 16)
 // acc = acc * scale + w * v
 inline void scale_axpy(float* acc, float scale, float w, const float* v, int64_t d) {
   const Vec vs(scale), vw(w);
@@ -38,10 +39,10 @@ inline float exp_sub_sum(float* x, float m, int64_t n) {
   return total;
 }
 
-// Ask for a block's K and V rows of one head ahead of use: walking block tables is a chain of
-// short strided reads the hardware prefetcher does not run ahead of (a cold cache read at ~7 GB/s).
-// Into L2 (prefetcht1), not L1: a block is 24 KiB of K and V at SmolLM2's heads, more misses than
-// L1 tracks at once (30 layers of cold KV, 8 sequences: 9-10 GB/s into L1, 12-13 into L2).
+// Ask for K and V rows of one head ahead of use: walking block tables is a chain of short strided
+// reads the hardware prefetcher does not run ahead of (a cold cache read at ~7 GB/s). Into L2
+// (prefetcht1), not L1: a window ahead is more misses than L1 tracks at once (30 layers of cold
+// KV, 8 sequences: 9-10 GB/s into L1, 12-13 into L2).
 template <typename cache_t>
 inline void prefetch_rows(const cache_t* k, const cache_t* v, int64_t k_stride, int64_t v_stride, int64_t rows,
                           int64_t d) {
@@ -94,12 +95,11 @@ inline void score_vectors(const float* const* q, const float* kt, int64_t ld, in
 // score_vectors over n query heads and key vectors [c0, c1), as many chains at once as registers hold
 inline void block_scores(const float* const* q, float* const* out, int64_t n, const float* kt, int64_t ld, int64_t c0,
                          int64_t c1, int64_t d) {
-  constexpr int64_t kRegs = kVecLanes == 16 ? 12 : 8;
   const float* qs[8];
   float* os[8];
   for (int64_t c = c0; c < c1;) {
     const int64_t cs = c + 4 <= c1 ? 4 : c + 2 <= c1 ? 2 : 1;
-    const int64_t most = std::min<int64_t>(8, kRegs / cs);
+    const int64_t most = std::min<int64_t>(8, kAccumulators / cs);
     for (int64_t u0 = 0; u0 < n; u0 += most) {
       const int64_t us = std::min(most, n - u0);
       for (int64_t u = 0; u < us; ++u) qs[u] = q[u0 + u], os[u] = out[u0 + u] + c * kVecLanes;
@@ -143,15 +143,13 @@ inline void values_vectors(float* const* acc, const float* correction, const flo
     for (int k = 0; k < NV; ++k) r[u][k].store(acc[u] + i + k * kVecLanes);
 }
 
-constexpr int kValueRegs = kVecLanes == 16 ? 12 : 8;  // accumulators held at once (32 or 16 vector registers)
-
 inline void block_values(float* const* acc, const float* correction, const float* const* w, const float* const* v,
                          int64_t heads, int64_t n, int64_t d) {
   int64_t i = 0;
   for (; i + 4 * kVecLanes <= d; i += 4 * kVecLanes) {
     for (int64_t u = 0; u < heads;) {
-      const int64_t us = std::min<int64_t>(kValueRegs / 4, heads - u);
-      if (us >= 3 && kValueRegs / 4 >= 3) {
+      const int64_t us = std::min<int64_t>(kAccumulators / 4, heads - u);
+      if (us >= 3) {
         values_vectors<3, 4>(acc + u, correction + u, w + u, v, n, i);
         u += 3;
       } else if (us >= 2) {

@@ -92,7 +92,8 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
     split_base[t + 1] = split_base[t] + (split ? tile.part1 - tile.part0 : 0);
     for (int64_t s = 0; s < spans; ++s) {
       if (split) {
-        for (int64_t k = tile.part0; k < tile.part1; ++k) items.push_back({static_cast<int64_t>(t), s * span, k, k + 1, kPartition});
+        for (int64_t k = tile.part0; k < tile.part1; ++k)
+          items.push_back({static_cast<int64_t>(t), s * span, k, k + 1, kPartition});
       } else {
         int64_t cost = 0;
         for (int64_t r = tile.row0; r < tile.row0 + tile.rows; ++r) cost += lens[r];

@@ -144,7 +144,7 @@ struct Field {
   int64_t offset;
 };
 
-std::vector<Field> fields_of(int64_t block_bytes) {
+std::vector<Field> make_fields(int64_t block_bytes) {
   auto codes = [](int64_t from, int64_t to) {
     std::vector<Field> f;
     for (int64_t o = from; o < to; o += 16) f.push_back({'c', o});
@@ -167,16 +167,33 @@ std::vector<Field> fields_of(int64_t block_bytes) {
   TORCH_CHECK(false, "no GGUF block format of ", block_bytes, " bytes");
 }
 
-// Copies between a row's block and lane `lane` of its group's regrouped block, either way.
+// the fields of a format, built once (a lookup reads them for every row)
+const std::vector<Field>& fields_of(int64_t block_bytes) {
+  static const std::vector<Field> q4_0 = make_fields(18), q4_1 = make_fields(20), q5_0 = make_fields(22),
+                                  q5_1 = make_fields(24), q8_0 = make_fields(34), q4_k = make_fields(144),
+                                  q5_k = make_fields(176), q6_k = make_fields(210);
+  switch (block_bytes) {
+    case 18: return q4_0;
+    case 20: return q4_1;
+    case 22: return q5_0;
+    case 24: return q5_1;
+    case 34: return q8_0;
+    case 144: return q4_k;
+    case 176: return q5_k;
+    case 210: return q6_k;
+  }
+  TORCH_CHECK(false, "no GGUF block format of ", block_bytes, " bytes");
+}
+
+// Copies between a row's block and lane `lane` of its group's regrouped block, from `src` to `dst`:
+// ToGroup, src is the row's block and dst the group's; else the other way.
 template <bool ToGroup>
-void move_lane(uint8_t* group_block, const std::vector<Field>& fields, int64_t lane, uint8_t* row_block) {
+void move_lane(const uint8_t* src, const std::vector<Field>& fields, int64_t lane, uint8_t* dst) {
   for (const Field& f : fields) {
     const int64_t size = f.kind == 'h' ? 2 : 4;
     for (int64_t t = 0; t < (f.kind == 'c' ? 4 : 1); ++t) {
-      uint8_t* g = group_block + 8 * f.offset + 32 * t + size * lane;
-      uint8_t* r = row_block + f.offset + 4 * t;
-      if constexpr (ToGroup) std::memcpy(g, r, size);
-      else std::memcpy(r, g, size);
+      const int64_t in_group = 8 * f.offset + 32 * t + size * lane, in_row = f.offset + 4 * t;
+      std::memcpy(dst + (ToGroup ? in_group : in_row), src + (ToGroup ? in_row : in_group), size);
     }
   }
 }
@@ -188,28 +205,24 @@ torch::Tensor regroup_blocks(const torch::Tensor& weight) {
               "regroup_blocks takes a contiguous uint8 [N, blocks, block bytes] on the CPU, got ", weight.scalar_type(),
               " ", weight.sizes());
   const int64_t n = weight.size(0), blocks = weight.size(1), bytes = weight.size(2), groups = (n + 7) / 8;
-  const std::vector<Field> fields = fields_of(bytes);
+  const std::vector<Field>& fields = fields_of(bytes);
   auto out = torch::empty({groups, blocks, 8, bytes}, weight.options());
   const uint8_t* src = weight.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> row(bytes);
     for (int64_t g = begin; g < end; ++g)
       for (int64_t lane = 0; lane < 8; ++lane) {
         const int64_t r = std::min(g * 8 + lane, n - 1);  // past the last row: copies of it
-        for (int64_t b = 0; b < blocks; ++b) {
-          std::memcpy(row.data(), src + (r * blocks + b) * bytes, bytes);
-          move_lane<true>(dst + (g * blocks + b) * 8 * bytes, fields, lane, row.data());
-        }
+        for (int64_t b = 0; b < blocks; ++b)
+          move_lane<true>(src + (r * blocks + b) * bytes, fields, lane, dst + (g * blocks + b) * 8 * bytes);
       }
   });
   return out;
 }
 
 void regrouped_row(const uint8_t* group, int64_t lane, int64_t blocks, int64_t block_bytes, uint8_t* row) {
-  const std::vector<Field> fields = fields_of(block_bytes);
-  for (int64_t b = 0; b < blocks; ++b)
-    move_lane<false>(const_cast<uint8_t*>(group) + b * 8 * block_bytes, fields, lane, row + b * block_bytes);
+  const std::vector<Field>& fields = fields_of(block_bytes);
+  for (int64_t b = 0; b < blocks; ++b) move_lane<false>(group + b * 8 * block_bytes, fields, lane, row + b * block_bytes);
 }
 
 torch::Tensor quant_int_linear(const torch::Tensor& x, const torch::Tensor& weight, const float* bias, int64_t n_dim,
