@@ -11,6 +11,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # KV cache dtypes besides DTYPES: vLLM's names for fp8 e4m3, scaled per block and KV head
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
 QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+QUANT_KERNELS = ("int8", "float", "int8-avx512_vnni", "int8-avx_vnni", "int8-avx2")
 
 
 @dataclass
@@ -31,8 +32,17 @@ class ModelConfig:
     fused_decode: bool = True
     """Packed float32 models: a step of decodes only runs as one C++ call (false: module by module,
     as steps with a prefill do; the outputs are the same bits either way)."""
+    quant_kernel: str | None = None
+    """The kernel of linears over GGUF blocks (baton/ops/quant_linear.h); None: BATON_QUANT_KERNEL,
+    else int8. int8: activations quantized per block to int8, integer dot products on the best
+    instruction set the CPU has (int8-avx512_vnni, int8-avx_vnni, int8-avx2 force one; all give the
+    same bits), weights regrouped at load; float: the blocks dequantized in registers and float32
+    multiply-adds, the gguf package's float32 weights bit for bit (what parity with transformers on
+    the dequantized model checks)."""
 
     def __post_init__(self) -> None:
+        if self.quant_kernel is not None and self.quant_kernel not in QUANT_KERNELS:
+            raise ValueError(f"quant_kernel must be one of {', '.join(QUANT_KERNELS)}, got {self.quant_kernel!r}")
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -304,9 +314,6 @@ class ParallelConfig:
         return self.world_size // self.nnodes
 
 
-QUANT_KERNELS = ("float", "int8", "int8-avx512_vnni", "int8-avx_vnni", "int8-avx2")
-
-
 @dataclass
 class EnvSettings:
     num_threads: int | None = None
@@ -315,20 +322,14 @@ class EnvSettings:
     api_key: str | None = None
     kv_secret: str | None = None
     router_admin_key: str | None = None
-    quant_kernel: str = "float"
-    """BATON_QUANT_KERNEL: the kernel of GGUF-block linears (baton/ops/quant_linear.h): float
-    (blocks dequantized in registers, float32 products: the gguf package's float32 weights bit for
-    bit), or int8 (activations quantized per block, integer dot products on weights regrouped at
-    load; int8-avx2 etc. force an instruction set, all giving the same bits). int8 is not the
-    default yet: under tensor parallelism a row-parallel linear's per-rank partial sums round
-    otherwise than one rank's sum, and int8's codes turn that into other tokens (TP=2 against one
-    rank on SmolLM2: the 6th token), where the float kernel keeps them."""
+    quant_kernel: str = "int8"
+    """BATON_QUANT_KERNEL: ModelConfig.quant_kernel's default."""
     faults: dict[str, int] = field(default_factory=dict)
     """BATON_FAULTS="stage=token,...": tests' fault points (engine/faults.py); empty in service."""
 
     @classmethod
     def read(cls) -> EnvSettings:
-        quant_kernel = os.environ.get("BATON_QUANT_KERNEL", "float")
+        quant_kernel = os.environ.get("BATON_QUANT_KERNEL", "int8")
         if quant_kernel not in QUANT_KERNELS:
             raise ValueError(f"BATON_QUANT_KERNEL must be one of {', '.join(QUANT_KERNELS)}, not {quant_kernel!r}")
         threads = os.environ.get("BATON_NUM_THREADS")

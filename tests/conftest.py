@@ -58,6 +58,19 @@ def gemma3() -> LLM:
     return LLM("gemma3-270m", progress=False)
 
 
+# The float GGUF kernel computes with the gguf package's float32 weights bit for bit, as the
+# transformers reference does; the default int8 kernel quantizes activations (its fidelity is
+# bench/quant_quality.py's KL, its invariances tests/test_batching.py's).
+@pytest.fixture(scope="session")
+def smollm2_float() -> LLM:
+    return LLM("smollm2-135m", progress=False, quant_kernel="float")
+
+
+@pytest.fixture(scope="session")
+def gemma3_float() -> LLM:
+    return LLM("gemma3-270m", progress=False, quant_kernel="float")
+
+
 @pytest.fixture(scope="session")
 def smollm2_ref():
     return reference_model("smollm2-135m")

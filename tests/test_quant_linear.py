@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
-from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor, concat_rows
+from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor, concat_rows, slice_k_parts
 from baton.models.gguf_file import GGUFFile
 from baton.models.loader import resolve_model_path
 from baton.models.quantize import QUANT_TYPES, quantize_matrix
 from baton.ops import dequantize_rows, packed_linear, quant_kernel, regroup_blocks, set_quant_kernel
+from baton.parallel.comm import tree_sum
 from tests.quant_ref import quantize_inputs, quantized_x
 
 FORMATS = list(BLOCK_FORMATS)
@@ -85,8 +86,11 @@ def spec_parts(rows: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def weights(t: BlockTensor) -> torch.Tensor:
-    """t's blocks as loading lays them out for the kernel in use: regrouped by 8 rows for int8."""
-    return regroup_blocks(t.blocks) if quant_kernel().startswith("int8") else t.blocks
+    """t's blocks as loading lays them out for the kernel in use: regrouped by 8 rows for int8, with
+    t's K parts."""
+    if not quant_kernel().startswith("int8"):
+        return t.blocks
+    return BlockTensor(t.qtype, regroup_blocks(t.blocks), t.shape[0], t.k_parts).kernel_weight()
 
 
 def check_against_gguf(x: torch.Tensor, rows: np.ndarray, qtype: str) -> None:
@@ -129,13 +133,14 @@ def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
 
 @pytest.fixture(params=INT8_KERNELS)
 def int8_kernel(request):
-    """Each int8 kernel this CPU has (the rest skipped), the float kernel restored after."""
+    """Each int8 kernel this CPU has (the rest skipped), the kernel before restored after."""
+    before = quant_kernel()
     try:
         set_quant_kernel(request.param)
     except RuntimeError as e:
         pytest.skip(str(e))
     yield request.param
-    set_quant_kernel("float")
+    set_quant_kernel(before)
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
@@ -167,6 +172,7 @@ def test_every_instruction_set_gives_the_same_bits(qtype):
     t = BlockTensor.from_rows(qtype, random_blocks(qtype, 20, 1024, seed=2))
     x = torch.randn(7, 1024, generator=g)
     results = {}
+    before = quant_kernel()
     try:
         for name in INT8_KERNELS:
             try:
@@ -175,7 +181,7 @@ def test_every_instruction_set_gives_the_same_bits(qtype):
                 continue
             results[name] = packed_linear(x, weights(t), None, 20)
     finally:
-        set_quant_kernel("float")
+        set_quant_kernel(before)
     assert "int8-avx2" in results
     for name, y in results.items():
         assert torch.equal(y, results["int8-avx2"]), name
@@ -189,7 +195,7 @@ def test_kernels_are_chosen_by_name():
     try:
         assert set_quant_kernel("int8").startswith("int8-") and quant_kernel().startswith("int8-")
     finally:
-        set_quant_kernel("float")
+        set_quant_kernel(before)
 
 
 def test_int8_rows_of_non_finite_inputs_are_non_finite(int8_kernel):
@@ -204,11 +210,12 @@ def test_int8_rows_of_non_finite_inputs_are_non_finite(int8_kernel):
 @pytest.mark.parametrize("kernel", ["float", "int8"])
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
 def test_a_row_has_the_same_bits_in_any_batch(qtype, kernel):
+    before = quant_kernel()
     set_quant_kernel(kernel)
     try:
         check_row_bits(qtype)
     finally:
-        set_quant_kernel("float")
+        set_quant_kernel(before)
 
 
 def check_row_bits(qtype: str) -> None:
@@ -223,6 +230,35 @@ def check_row_bits(qtype: str) -> None:
     assert torch.equal(packed_linear(x[200:201], w, None, 50), together[200:201])
     strided = torch.randn(300, 2 * k, generator=g)[:, :k]  # rows with a stride, as a view of a wider tensor
     assert torch.equal(packed_linear(strided, w, None, 50), packed_linear(strided.contiguous(), w, None, 50))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_1", "Q8_0"])
+def test_row_parallel_shards_of_whole_k_parts_give_the_whole_weights_bits(qtype, int8_kernel):
+    """Tensor parallel: a row-parallel linear cut by K into d shards of whole parts, each shard's
+    output computed alone and the d outputs added as TPGroup.all_reduce adds them (a balanced tree in
+    rank order), has the whole weight's bits, for d = 2, 4, 8."""
+    k = 2048
+    t = BlockTensor.from_rows(qtype, random_blocks(qtype, 20, k, seed=4))
+    assert t.k_parts == 8
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(5))
+    whole = packed_linear(x, weights(t), None, 20)
+    blocks = t.blocks.shape[1]
+    for d in (2, 4, 8):
+        shards = [t.take_blocks(r * blocks // d, (r + 1) * blocks // d) for r in range(d)]
+        assert [s.k_parts for s in shards] == [8 // d] * d
+        outs = [packed_linear(x[:, r * k // d : (r + 1) * k // d], weights(s), None, 20) for r, s in enumerate(shards)]
+        assert torch.equal(tree_sum(outs), whole), d
+    # 64 blocks in parts of 8: a range of whole parts keeps them, a cut through one is a single chain
+    assert slice_k_parts(64, 8, 40) == 4 and slice_k_parts(64, 0, 12) == 1 and slice_k_parts(18, 9, 18) == 1
+
+
+def test_quantization_at_load_keeps_a_shards_parts():
+    from baton.models.layers import quantize_weight
+
+    w = torch.randn(16, 1024)
+    assert quantize_weight(w, "q8_0").k_parts == 8  # 32 blocks
+    assert quantize_weight(w[:, 512:], "q8_0", (512, 1024, 1024)).k_parts == 4  # half of the whole's 8
+    assert quantize_weight(w[:, :256], "q4_k", (0, 256, 1024)).k_parts == 1  # a quarter of 4 blocks: one part
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
@@ -282,11 +318,12 @@ def check_packaged(model: str) -> None:
             rows = rows[:: rows.shape[0] // 512]
         x = torch.randn(3, int(t.shape[0]), generator=g)
         check_against_gguf(x, rows, t.tensor_type.name)
+        before = quant_kernel()
         set_quant_kernel("int8")
         try:
             check_against_spec(x, rows, t.tensor_type.name)
         finally:
-            set_quant_kernel("float")
+            set_quant_kernel(before)
 
 
 @pytest.mark.slow  # 10 s; every format's kernel is checked against the gguf package above
@@ -321,6 +358,7 @@ def test_quantization_at_load_matches_the_dequantized_reference(tmp_path, monkey
 
     monkeypatch.setenv("BATON_QUANT_KERNEL", kernel)
     ref, path = make_model(tmp_path, "LlamaForCausalLM", hidden_size=hidden, intermediate_size=2 * hidden)
+    before = quant_kernel()
     try:
         llm = LLM(str(path), progress=False, quantization=quantization, kv_cache_memory_bytes=16 << 20)
         assert quant_kernel().startswith(kernel)
@@ -344,7 +382,7 @@ def test_quantization_at_load_matches_the_dequantized_reference(tmp_path, monkey
         assert new == ref_logits[len(ids) - 1 : -1].argmax(-1).tolist()
         assert llm.engine.model.fused_decoder is not None
     finally:
-        set_quant_kernel("float")
+        set_quant_kernel(before)
 
 
 def qtype_values(qtype) -> int:

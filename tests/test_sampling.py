@@ -102,10 +102,10 @@ def test_top_k_1_is_greedy(smollm2):
 
 
 @pytest.mark.slow  # exporting the float32 reference directory and loading it: 45 s on a fresh machine
-def test_logprobs_and_prompt_logprobs_match_transformers(smollm2, smollm2_ref):
-    ids = smollm2.get_tokenizer().encode("The quick brown fox jumps over the lazy")
+def test_logprobs_and_prompt_logprobs_match_transformers(smollm2_float, smollm2_ref):
+    ids = smollm2_float.get_tokenizer().encode("The quick brown fox jumps over the lazy")
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=3, prompt_logprobs=2)
-    out = smollm2.generate([{"prompt_token_ids": ids}], params)[0]
+    out = smollm2_float.generate([{"prompt_token_ids": ids}], params)[0]
     comp = out.outputs[0]
     with torch.no_grad():
         ref = smollm2_ref(torch.tensor([ids + comp.token_ids])).logits[0].log_softmax(-1)

@@ -33,7 +33,7 @@ def load_rank_model(config: EngineConfig, tp: TPGroup, rank: int = 0, progress: 
     if keep_blocks:
         from baton.ops import set_quant_kernel
 
-        set_quant_kernel(config.env.quant_kernel)
+        set_quant_kernel(config.model.quant_kernel or config.env.quant_kernel)
     loaded = load_model(config.model.model, dtype, config.env.cache_dir, progress=progress, keep_blocks=keep_blocks)
     model, local = loaded.model, loaded.config
     stage = None

@@ -16,16 +16,48 @@ BLOCK_FORMATS = {
 }
 # Formats whose values are d * integer with the integer in int8's range: exactly Q8_0 blocks.
 _WIDENS_TO_Q8_0 = ("Q4_0", "Q5_0", "Q8_0")
+# The integer kernels sum K in up to this many parts (BlockTensor.k_parts): tensor parallelism of
+# up to this many ranks splits a row-parallel linear's K along part edges.
+MAX_K_PARTS = 8
+
+
+def default_k_parts(blocks: int) -> int:
+    """The largest power of two up to MAX_K_PARTS that divides a row's `blocks`."""
+    parts = 1
+    while parts < MAX_K_PARTS and blocks % (2 * parts) == 0:
+        parts *= 2
+    return parts
+
+
+def slice_k_parts(blocks: int, start: int, stop: int) -> int:
+    """The parts of a `blocks`-block row's default_k_parts that lie inside blocks [start, stop):
+    a tensor-parallel shard's. 1 (a single chain, which rounds otherwise than the whole's) where the
+    range cuts a part."""
+    width = blocks // default_k_parts(blocks)
+    return (stop - start) // width if start % width == 0 and (stop - start) % width == 0 else 1
 
 
 @dataclass
 class BlockTensor:
     """An [N, K] matrix in one GGUF block format: blocks uint8 [N, K / values, bytes] as the file
-    ships them, or regrouped for the integer kernels, [ceil(N / 8), K / values, 8, bytes]."""
+    ships them, or regrouped for the integer kernels, [ceil(N / 8), K / values, 8, bytes].
+
+    k_parts is part of the integer kernels' arithmetic: each output sums its K in that many equal,
+    contiguous parts, each from zero in block order, and adds the parts' sums pairwise as a balanced
+    tree (parts 0+1, 2+3, then those, ...). A tensor-parallel shard of a row-parallel linear holds
+    whole parts (the full weight's k_parts / ranks of them), and TPGroup.all_reduce adds the ranks'
+    sums in the same tree, so d ranks give one rank's bits for every d dividing k_parts."""
 
     qtype: str
     blocks: torch.Tensor
     num_rows: int | None = None  # N, once regrouped
+    k_parts: int = 0  # 0: default_k_parts of the row's blocks
+
+    def __post_init__(self) -> None:
+        if self.k_parts == 0:
+            self.k_parts = default_k_parts(self.blocks.shape[1])
+        if self.blocks.shape[1] % self.k_parts:
+            raise ValueError(f"{self.blocks.shape[1]} blocks a row do not split into {self.k_parts} parts")
 
     def regroup(self) -> None:
         """Regroup for the integer kernels (baton/ops/quant_int.cpp), in place: a tied embedding and
@@ -61,6 +93,19 @@ class BlockTensor:
         from baton.ops import dequantize_rows
 
         return dequantize_rows(self.blocks, torch.arange(self.shape[0]))
+
+    def kernel_weight(self) -> torch.Tensor:
+        """What the kernels take (baton/ops/quant_linear.h): the blocks, regrouped ones as [groups,
+        k_parts, blocks / k_parts, 8, bytes] when K is summed in parts."""
+        if self.blocks.dim() == 3 or self.k_parts == 1:
+            return self.blocks
+        groups, blocks, lanes, nbytes = self.blocks.shape
+        return self.blocks.view(groups, self.k_parts, blocks // self.k_parts, lanes, nbytes)
+
+    def take_blocks(self, start: int, stop: int) -> BlockTensor:
+        """Columns [start, stop) in blocks (a row-parallel shard), with slice_k_parts' parts."""
+        parts = slice_k_parts(self.blocks.shape[1], start, stop)
+        return BlockTensor(self.qtype, self.blocks[:, start:stop].contiguous(), k_parts=parts)
 
 
 def concat_rows(parts: list[BlockTensor]) -> BlockTensor | None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.storage import LayerKV
-from baton.models.gguf_blocks import BlockTensor
+from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor, slice_k_parts
 from baton.models.model_config import RopeConfig
 from baton.ops import (
     dequantize_rows,
@@ -58,7 +58,7 @@ class PackedLinear(nn.Module):
                 "run with --dtype float32 to dequantize them at load"
             )
         out_features, in_features = weight.shape
-        linear = cls(weight.blocks, bias, in_features, out_features)
+        linear = cls(weight.kernel_weight(), bias, in_features, out_features)
         linear.qtype = weight.qtype
         return linear
 
@@ -114,7 +114,7 @@ def pack_linears(
     for _, _, child, full in linears:
         weight = block_weights.get(f"{full}.weight")
         if weight is None and quantization is not None:
-            weight = quantize_weight(child.weight, quantization)
+            weight = quantize_weight(child.weight, quantization, getattr(child, "k_slice", None))
         if weight is not None:
             blocks[full] = weight
     if quant_kernel().startswith("int8"):
@@ -146,15 +146,23 @@ def describe_linears(model: nn.Module) -> str:
     return f"linears {formats or 'none packed'}; {nbytes / 2**20:.1f} MiB of weights read per token"
 
 
-def quantize_weight(weight: torch.Tensor, quantization: str) -> BlockTensor | None:
+def quantize_weight(
+    weight: torch.Tensor, quantization: str, k_slice: tuple[int, int, int] | None = None
+) -> BlockTensor | None:
     """`weight` [N, K] in the GGUF format `quantization` (q8_0, q4_k, ...); None where K is not a
-    whole number of its blocks."""
+    whole number of its blocks. k_slice (start, stop, whole K): the weight is those columns of a
+    row-parallel linear's, and keeps the whole one's K parts that lie inside them."""
     from baton.models.quantize import QUANT_TYPES, can_quantize, quantize_matrix
 
     qtype = QUANT_TYPES[quantization]
     if weight.device.type == "meta" or not can_quantize(qtype, weight.shape[1]):
         return None
-    return BlockTensor.from_rows(qtype.name, quantize_matrix(weight.detach().float(), qtype))
+    blocks = BlockTensor.from_rows(qtype.name, quantize_matrix(weight.detach().float(), qtype))
+    values = BLOCK_FORMATS[qtype.name][0]
+    if k_slice is not None and all(c % values == 0 for c in k_slice):
+        start, stop, whole = (c // values for c in k_slice)
+        blocks.k_parts = slice_k_parts(whole, start, stop)
+    return blocks
 
 
 class RMSNorm(nn.Module):

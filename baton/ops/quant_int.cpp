@@ -73,6 +73,7 @@ constexpr int64_t kRows = 4;                      // rows of x per pass over a g
 constexpr int64_t kRowBlockBytes = 256 * 1024;    // quantized x rows a pass keeps in L2
 
 constexpr int64_t kGroup = 8;                     // output rows of a kernel call, one per lane
+constexpr int64_t kMaxParts = 8;                  // K parts of a weight (gguf_blocks.py's MAX_K_PARTS)
 
 using DotRows = void (*)(int64_t, const uint8_t*, int64_t, const XRows&, float*, int64_t, int64_t, const float*);
 
@@ -225,8 +226,41 @@ void regrouped_row(const uint8_t* group, int64_t lane, int64_t blocks, int64_t b
   for (int64_t b = 0; b < blocks; ++b) move_lane<false>(group + b * 8 * block_bytes, fields, lane, row + b * block_bytes);
 }
 
+namespace {
+
+// The outputs of a group of 8 weight rows against `count` rows of x with K summed in `parts` parts:
+// each part's sums (acc + offsets) into a buffer, added pairwise as a balanced tree in part order,
+// then the bias; one part goes straight to y.
+void group_rows(const Isa& isa, int64_t parts, int64_t block_bytes, const uint8_t* w, int64_t blocks,
+                int64_t block_values, const XRows& x, int64_t count, float* y, int64_t y_stride, int64_t outputs,
+                const float* bias) {
+  const DotRows dot = isa.rows[count - 1];
+  if (parts == 1) {
+    dot(block_bytes, w, blocks, x, y, y_stride, outputs, bias);
+    return;
+  }
+  const int64_t part_blocks = blocks / parts, scales = block_values == 32 ? 1 : 0;
+  const int64_t sums_per_block = block_values / 32;
+  float sums[kMaxParts][kRows * kGroup];
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t b0 = p * part_blocks;
+    const XRows xp{x.q + b0 * block_values, x.d + b0, scales ? x.s + b0 : nullptr, x.bsum + b0 * sums_per_block,
+                   x.stride, x.bstride};
+    dot(block_bytes, w + b0 * kGroup * block_bytes, part_blocks, xp, sums[p], kGroup, kGroup, nullptr);
+  }
+  for (int64_t width = 1; width < parts; width *= 2)
+    for (int64_t p = 0; p + width < parts; p += 2 * width)
+      for (int64_t i = 0; i < count * kGroup; ++i) sums[p][i] += sums[p + width][i];
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t l = 0; l < outputs; ++l) y[r * y_stride + l] = sums[0][r * kGroup + l] + (bias ? bias[l] : 0.f);
+}
+
+}  // namespace
+
 torch::Tensor quant_int_linear(const torch::Tensor& x, const torch::Tensor& weight, const float* bias, int64_t n_dim,
-                               int64_t block_values) {
+                               int64_t block_values, int64_t parts) {
+  TORCH_CHECK(parts >= 1 && parts <= kMaxParts && weight.size(1) % parts == 0, weight.size(1),
+              " blocks a row do not split into ", parts, " parts");
   const int64_t groups = weight.size(0), blocks = weight.size(1), block_bytes = weight.size(3);
   const int64_t k_dim = blocks * block_values, rows = x.size(0), group_bytes = 8 * blocks * block_bytes;
   const int64_t per = block_values, nd = k_dim / per;  // scales per row
@@ -264,8 +298,8 @@ torch::Tensor quant_int_linear(const torch::Tensor& x, const torch::Tensor& weig
                          qx.bsum.data() + r * k_dim / 32,
                          k_dim,
                          nd};
-          isa.rows[count - 1](block_bytes, wp + g * group_bytes, blocks, xr, yp + r * n_dim + g * kGroup, n_dim,
-                              outputs, b);
+          group_rows(isa, parts, block_bytes, wp + g * group_bytes, blocks, block_values, xr, count,
+                     yp + r * n_dim + g * kGroup, n_dim, outputs, b);
         }
       }
     });
@@ -298,7 +332,7 @@ std::string quant_kernel() {
 
 #else  // no AVX2: quant_linear.cpp refuses weights in blocks
 
-torch::Tensor quant_int_linear(const torch::Tensor&, const torch::Tensor&, const float*, int64_t, int64_t) {
+torch::Tensor quant_int_linear(const torch::Tensor&, const torch::Tensor&, const float*, int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "the integer kernels need AVX2");
 }
 torch::Tensor regroup_blocks(const torch::Tensor&) { TORCH_CHECK(false, "the integer kernels need AVX2"); }

@@ -93,10 +93,11 @@ constexpr Format kFormats[] = {
 #undef BATON_FORMAT
 
 const Format& format_of(const torch::Tensor& w) {
-  TORCH_CHECK((w.dim() == 3 || (w.dim() == 4 && w.size(2) == 8)) && w.scalar_type() == at::kByte &&
+  TORCH_CHECK((w.dim() == 3 || (w.dim() >= 4 && w.dim() <= 5 && w.size(-2) == 8)) && w.scalar_type() == at::kByte &&
                   w.is_contiguous() && w.device().is_cpu(),
               "a quantized weight must be contiguous uint8 [N, blocks, block bytes] (or regrouped, [N / 8, ",
-              "blocks, 8, block bytes]) on the CPU, got ", w.scalar_type(), " ", w.sizes());
+              "blocks, 8, block bytes] or [N / 8, parts, blocks / parts, 8, block bytes]) on the CPU, got ",
+              w.scalar_type(), " ", w.sizes());
   for (const Format& f : kFormats)
     if (f.block_bytes == w.size(-1)) return f;
   TORCH_CHECK(false, "no GGUF block format of ", w.size(-1), " bytes (Q8_0 34, Q4_0 18, Q4_1 20, Q5_0 22, Q5_1 24, ",
@@ -139,16 +140,23 @@ void rows_kernel(int64_t rows, const float* x, int64_t x_stride, int64_t k_dim, 
 
 int64_t quant_block_values(const torch::Tensor& weight) { return format_of(weight).block_values; }
 
+int64_t quant_row_blocks(const torch::Tensor& weight) {
+  return weight.dim() == 5 ? weight.size(1) * weight.size(2) : weight.size(1);
+}
+
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& weight, const float* bias, int64_t n_dim) {
   const Format& f = format_of(weight);
-  const int64_t blocks = weight.size(1), k_dim = blocks * f.block_values;
+  const int64_t blocks = quant_row_blocks(weight), k_dim = blocks * f.block_values;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.device().is_cpu(),
               "x must be float32 [rows, K] on the CPU, contiguous in K, got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(x.size(1) == k_dim, "x has K = ", x.size(1), " input features, the quantized weight ", k_dim);
-  if (weight.dim() == 4) {  // regrouped for the integer kernels
+  if (weight.dim() >= 4) {  // regrouped for the integer kernels
     TORCH_CHECK((n_dim + 7) / 8 == weight.size(0), "out_features = ", n_dim, " but the regrouped weight has ",
                 weight.size(0), " groups of 8 rows");
-    return quant_int_linear(x, weight, bias, n_dim, f.block_values);
+    const int64_t parts = weight.dim() == 5 ? weight.size(1) : 1;
+    TORCH_CHECK(parts >= 1 && parts <= 8, "a regrouped weight sums K in 1 to 8 parts, not ", parts);
+    return quant_int_linear(x, weight.view({weight.size(0), blocks, 8, f.block_bytes}), bias, n_dim, f.block_values,
+                            parts);
   }
   TORCH_CHECK(n_dim == weight.size(0), "out_features = ", n_dim, " but the quantized weight has ", weight.size(0),
               " rows");
@@ -193,8 +201,8 @@ torch::Tensor dequantize_rows(const torch::Tensor& weight, const torch::Tensor& 
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.device().is_cpu(),
               "ids must be int64 [n] on the CPU, got ", ids.scalar_type(), " ", ids.sizes());
   const torch::Tensor idx = ids.contiguous();
-  const bool regrouped = weight.dim() == 4;
-  const int64_t n = idx.size(0), rows = weight.size(0) * (regrouped ? 8 : 1), blocks = weight.size(1);
+  const bool regrouped = weight.dim() >= 4;
+  const int64_t n = idx.size(0), rows = weight.size(0) * (regrouped ? 8 : 1), blocks = quant_row_blocks(weight);
   const int64_t k_dim = blocks * f.block_values, row_bytes = blocks * f.block_bytes;
   const int64_t* id = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
@@ -229,6 +237,7 @@ namespace {
 
 bool quant_kernels_available() { return false; }
 int64_t quant_block_values(const torch::Tensor&) { unavailable(); }
+int64_t quant_row_blocks(const torch::Tensor&) { unavailable(); }
 torch::Tensor quant_linear(const torch::Tensor&, const torch::Tensor&, const float*, int64_t) { unavailable(); }
 torch::Tensor dequantize_rows(const torch::Tensor&, const torch::Tensor&) { unavailable(); }
 

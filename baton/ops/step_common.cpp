@@ -20,9 +20,10 @@ void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
 
 void check_packed(const torch::Tensor& t, int64_t k, int64_t n, const char* name) {
   TORCH_CHECK(t.defined() && t.device().is_cpu(), name, " must be a CPU tensor");
-  if (t.scalar_type() == at::kByte) {  // GGUF blocks [n, blocks, block bytes], or regrouped [n / 8, blocks, 8, bytes]
-    const int64_t rows = t.dim() == 4 ? (n + 7) / 8 : n;
-    TORCH_CHECK(t.size(0) == rows && t.size(1) * quant_block_values(t) == k, name, " must be GGUF blocks of an [", n,
+  if (t.scalar_type() == at::kByte) {  // GGUF blocks [n, blocks, block bytes], or regrouped (quant_linear.h)
+    const int64_t rows = t.dim() >= 4 ? (n + 7) / 8 : n;
+    TORCH_CHECK(t.size(0) == rows && quant_row_blocks(t) * quant_block_values(t) == k, name,
+                " must be GGUF blocks of an [", n,
                 ", ", k, "] weight, got ", t.sizes());
     return;
   }

@@ -44,6 +44,13 @@ class CommStats:
         self.by_op.clear()
 
 
+def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts added pairwise in order, as a balanced tree: (p0 + p1) + (p2 + p3), ..."""
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
 @dataclass
 class TPGroup:
     """This rank's place in the tensor-parallel group (size 1: no group, no communication)."""
@@ -54,13 +61,22 @@ class TPGroup:
     stats: CommStats = field(default_factory=CommStats)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the ranks, in place (the row-parallel projections' partial sums)."""
+        """Sum x over the ranks, in place (the row-parallel projections' partial sums), as a balanced
+        tree in rank order ((r0 + r1) + (r2 + r3), ...): the order in which one rank adds the K parts
+        of an integer-kernel linear (gguf_blocks.BlockTensor.k_parts), so the sum has its bits. Two
+        ranks: one all-reduce (a + b either way round); more: an all-gather, then the tree."""
         if self.size == 1:
             return x
         start = time.perf_counter()
-        dist.all_reduce(x, group=self.group)
-        # a ring all-reduce sends 2 (n - 1) / n of the tensor from every rank
-        self.stats.add("all_reduce", time.perf_counter() - start, 2 * (self.size - 1) * x.nbytes // self.size)
+        if self.size == 2:
+            dist.all_reduce(x, group=self.group)
+            # a ring all-reduce sends 2 (n - 1) / n of the tensor from every rank
+            self.stats.add("all_reduce", time.perf_counter() - start, 2 * (self.size - 1) * x.nbytes // self.size)
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        x.copy_(tree_sum(parts))
+        self.stats.add("all_reduce", time.perf_counter() - start, (self.size - 1) * x.nbytes)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:

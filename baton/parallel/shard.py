@@ -88,7 +88,7 @@ class Sharder:
         bias = None if linear.bias is None else linear.bias.data[rows]
         if key in self.blocks:
             bt = self.blocks[key]
-            self.blocks[key] = BlockTensor(bt.qtype, bt.blocks[rows].contiguous())
+            self.blocks[key] = BlockTensor(bt.qtype, bt.blocks[rows].contiguous(), k_parts=bt.k_parts)
             return self._replace(linear, None, bias, in_features=linear.in_features, out_features=len(rows))
         return self._replace(linear, linear.weight.data[rows], bias)
 
@@ -101,12 +101,13 @@ class Sharder:
             bt = self.blocks.pop(key)
             values, _ = BLOCK_FORMATS[bt.qtype]
             if cols.start % values == 0 and cols.stop % values == 0:
-                self.blocks[key] = BlockTensor(bt.qtype, bt.blocks[:, cols.start // values : cols.stop // values])
-                self.blocks[key].blocks = self.blocks[key].blocks.contiguous()
+                self.blocks[key] = bt.take_blocks(cols.start // values, cols.stop // values)
                 return self._replace(linear, None, bias, in_features=len(cols), out_features=linear.out_features)
             logger.info("%s: %s columns %s are not whole blocks; kept as float32", key, bt.qtype, cols)
             return self._replace(linear, bt.dequantize()[:, cols.start : cols.stop], bias)
-        return self._replace(linear, linear.weight.data[:, cols.start : cols.stop], bias)
+        new = self._replace(linear, linear.weight.data[:, cols.start : cols.stop], bias)
+        new.k_slice = (cols.start, cols.stop, linear.in_features)  # for quantization at load (pack_linears)
+        return new
 
     def _replace(self, old: nn.Linear, weight, bias, in_features: int = 0, out_features: int = 0) -> nn.Linear:
         if weight is not None:
