@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
-from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor, concat_rows, slice_k_parts
+from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor, slice_k_parts, stack_rows
 from baton.models.gguf_file import GGUFFile
 from baton.models.loader import resolve_model_path
 from baton.models.quantize import QUANT_TYPES, quantize_matrix
@@ -273,17 +273,42 @@ def test_regrouped_blocks_hold_every_row(qtype):
     assert torch.equal(dequantize_rows(t.blocks, ids), expected[ids])
 
 
-def test_widened_parts_keep_their_values():
-    """Q4_0 / Q5_0 parts of a fused projection beside a Q8_0 part become Q8_0 blocks, exactly."""
-    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("kernel", ["float", "int8"])
+def test_parts_in_several_formats_stay_in_their_formats(kernel):
+    """A fused projection's parts: of one format, joined into one tensor; of several (Q4_K_M's Q4_K
+    q and k beside a Q6_K v), runs computed in their own formats and put side by side, checked
+    against x @ W^T in float64 on the dequantized parts (and by the fused step's stacked_linear)."""
+    from baton.models.layers import StackedLinear
+    from baton.ops import ops
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 512, generator=g)
     parts = [
-        BlockTensor.from_rows(q, quantize_matrix(w[i * 8 : i * 8 + 8], QUANT_TYPES[q.lower()]))
-        for i, q in enumerate(["Q5_0", "Q4_0", "Q8_0"])
+        BlockTensor.from_rows("Q4_K", quantize_matrix(w[i * 16 : i * 16 + 16], QUANT_TYPES["q4_k"])) for i in (0, 1)
     ]
-    joined = concat_rows(parts)
-    assert joined is not None and joined.qtype == "Q8_0"
-    assert torch.equal(joined.dequantize(), torch.cat([p.dequantize() for p in parts]))
-    assert concat_rows([parts[0], BlockTensor.from_rows("Q4_1", quantize_matrix(w[:8], QUANT_TYPES["q4_1"]))]) is None
+    parts.append(BlockTensor.from_rows("Q6_K", quantize_matrix(w[32:], QUANT_TYPES["q6_k"])))
+    joined = stack_rows(parts[:2])
+    assert isinstance(joined, BlockTensor) and joined.shape == (32, 512)
+    stacked = stack_rows(parts)
+    assert [(p.qtype, p.shape[0]) for p in stacked] == [("Q4_K", 32), ("Q6_K", 8)]
+    dense = torch.cat([p.dequantize() for p in stacked]).double()
+    before = quant_kernel()
+    set_quant_kernel(kernel)
+    try:
+        if kernel == "int8":
+            for p in stacked:
+                p.regroup()
+        bias = torch.randn(40, generator=g)
+        linear = StackedLinear.from_blocks(stacked, bias)
+        x = torch.randn(5, 512, generator=g)
+        y = linear(x)
+        xq = torch.from_numpy(quantized_x(x, 256)) if kernel == "int8" else x.double()
+        expected = xq @ dense.T + bias.double()
+        assert y.shape == (5, 40) and ((y.double() - expected).abs() <= 1e-4 * expected.abs().max()).all()
+        rows = [p.out_features for p in linear.parts()]
+        assert torch.equal(ops().stacked_linear(x, [p.packed for p in linear.parts()], rows, bias, 40), y)
+    finally:
+        set_quant_kernel(before)
 
 
 def test_malformed_blocks_are_refused():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from baton.kv.storage import FP8, KVStorage
-from baton.models.layers import GroupAttnMetadata, PackedLinear, RMSNorm, unwrapped
+from baton.models.layers import GroupAttnMetadata, PackedLinear, RMSNorm, StackedLinear, unwrapped
 from baton.ops import ops
 
 
@@ -45,11 +45,13 @@ class FusedDecoder:
                 post_ff_norm=_weight(getattr(layer, "post_feedforward_layernorm", None)),
                 q_norm=_weight(attn.q_norm),
                 k_norm=_weight(attn.k_norm),
-                qkv=attn.qkv_proj.packed,
+                qkv=[p.packed for p in attn.qkv_proj.parts()],
+                qkv_rows=[p.out_features for p in attn.qkv_proj.parts()],
                 qkv_bias=attn.qkv_proj.bias,
                 o=o_proj.packed,
                 o_bias=o_proj.bias,
-                gate_up=mlp.gate_up_proj.packed,
+                gate_up=[p.packed for p in mlp.gate_up_proj.parts()],
+                gate_up_rows=[p.out_features for p in mlp.gate_up_proj.parts()],
                 down=mlp.down_proj.packed,
                 k_cache=cache.k,
                 v_cache=cache.v,
@@ -63,7 +65,7 @@ class FusedDecoder:
     def supports(model: torch.nn.Module, storage: KVStorage) -> bool:
         """Packed float32 linears and a float32 or fp8 KV cache; otherwise the module path runs."""
         return storage.dtype in (torch.float32, FP8) and all(
-            isinstance(getattr(getattr(layer, "self_attn", None), "qkv_proj", None), PackedLinear)
+            isinstance(getattr(getattr(layer, "self_attn", None), "qkv_proj", None), (PackedLinear, StackedLinear))
             for layer in model.layers
         )
 

@@ -14,8 +14,6 @@ BLOCK_FORMATS = {
     name: gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
     for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 }
-# Formats whose values are d * integer with the integer in int8's range: exactly Q8_0 blocks.
-_WIDENS_TO_Q8_0 = ("Q4_0", "Q5_0", "Q8_0")
 # The integer kernels sum K in up to this many parts (BlockTensor.k_parts): tensor parallelism of
 # up to this many ranks splits a row-parallel linear's K along part edges.
 MAX_K_PARTS = 8
@@ -108,30 +106,19 @@ class BlockTensor:
         return BlockTensor(self.qtype, self.blocks[:, start:stop].contiguous(), k_parts=parts)
 
 
-def concat_rows(parts: list[BlockTensor]) -> BlockTensor | None:
-    """The parts stacked by rows (a fused q/k/v or gate/up projection) in one format: as they are
-    when they share one; Q4_0 / Q5_0 parts widened to Q8_0 (exactly: the same d, the same integers)
-    when mixed with Q8_0, as Gemma3's Q4_K_M file mixes Q5_0 q/k with a Q8_0 v. None when no format
-    holds every part exactly."""
-    qtypes = {p.qtype for p in parts}
-    if len(qtypes) > 1:
-        if not qtypes <= set(_WIDENS_TO_Q8_0):
-            return None
-        parts = [_to_q8_0(p) for p in parts]
-    return BlockTensor(parts[0].qtype, torch.cat([p.blocks for p in parts]))
+BlockWeight = BlockTensor | list[BlockTensor]
+"""A matrix in GGUF blocks: one format, or row parts in several (stack_rows)."""
 
 
-def _to_q8_0(t: BlockTensor) -> BlockTensor:
-    if t.qtype == "Q8_0":
-        return t
-    b = t.blocks.numpy()
-    if t.qtype == "Q4_0":
-        qs = b[..., 2:18]
-        ints = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int16) - 8
-    else:  # Q5_0: d, 32 high bits, 16 bytes of low nibbles
-        qh = b[..., 2:6].copy().view(np.uint32)  # [N, blocks, 1]
-        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
-        qs = b[..., 6:22]
-        ints = (np.concatenate([qs & 0xF, qs >> 4], axis=-1) | high).astype(np.int16) - 16
-    q8 = np.concatenate([b[..., :2], ints.astype(np.int8).view(np.uint8)], axis=-1)
-    return BlockTensor("Q8_0", torch.from_numpy(np.ascontiguousarray(q8)))
+def stack_rows(parts: list[BlockTensor]) -> BlockWeight:
+    """A fused projection's parts (q/k/v, gate/up) stacked by rows: consecutive parts of one format
+    joined into one tensor; where formats differ (Q4_K_M ships Q4_K q and k beside a Q6_K v in some
+    layers), a list of such runs, each computed in its own format and the outputs put side by side."""
+    runs: list[list[BlockTensor]] = []
+    for p in parts:
+        if runs and runs[-1][0].qtype == p.qtype and runs[-1][0].blocks.shape[1:] == p.blocks.shape[1:]:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    stacked = [BlockTensor(r[0].qtype, torch.cat([p.blocks for p in r])) for r in runs]
+    return stacked[0] if len(stacked) == 1 else stacked

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.storage import LayerKV
-from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor, slice_k_parts
+from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor, BlockWeight, slice_k_parts
 from baton.models.model_config import RopeConfig
 from baton.ops import (
     dequantize_rows,
@@ -65,6 +65,36 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed, self.bias, self.out_features)
 
+    def parts(self) -> list[PackedLinear]:
+        return [self]
+
+
+class StackedLinear(nn.Module):
+    """A fused projection whose row parts ship in different GGUF formats (stack_rows): each part
+    on its own kernel, the outputs side by side."""
+
+    def __init__(self, parts: list[PackedLinear]) -> None:
+        super().__init__()
+        self.stack = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+
+    @classmethod
+    def from_blocks(cls, weights: list[BlockTensor], bias: torch.Tensor | None) -> StackedLinear:
+        splits = [w.shape[0] for w in weights]
+        biases = [None] * len(weights) if bias is None else bias.split(splits)
+        return cls([PackedLinear.from_blocks(w, b) for w, b in zip(weights, biases)])
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        biases = [p.bias for p in self.stack]
+        return None if biases[0] is None else torch.cat(biases)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.stack], dim=-1)
+
+    def parts(self) -> list[PackedLinear]:
+        return list(self.stack)
+
 
 def unwrapped(module: nn.Module) -> nn.Module:
     """The module, or the one a tensor-parallel wrapper holds (parallel/shard.py's RowParallel sums
@@ -95,7 +125,7 @@ def can_pack_linears(dtype: torch.dtype) -> bool:
 
 
 def pack_linears(
-    model: nn.Module, block_weights: dict[str, BlockTensor] | None = None, quantization: str | None = None
+    model: nn.Module, block_weights: dict[str, BlockWeight] | None = None, quantization: str | None = None
 ) -> None:
     """Swap every nn.Linear of a loaded float32 model for a PackedLinear (the dense weight is freed):
     over `block_weights[name + ".weight"]` where the checkpoint shipped the weight in GGUF blocks,
@@ -110,7 +140,7 @@ def pack_linears(
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear)
     ]
-    blocks: dict[str, BlockTensor] = {}
+    blocks: dict[str, BlockWeight] = {}
     for _, _, child, full in linears:
         weight = block_weights.get(f"{full}.weight")
         if weight is None and quantization is not None:
@@ -119,7 +149,8 @@ def pack_linears(
             blocks[full] = weight
     if quant_kernel().startswith("int8"):
         for weight in blocks.values():
-            weight.regroup()
+            for part in weight if isinstance(weight, list) else [weight]:
+                part.regroup()
     floats = [(parent, name, child) for parent, name, child, full in linears if full not in blocks]
     lanes = panel_lanes()
     sizes = [-(-child.out_features // lanes) * lanes * child.in_features for _, _, child in floats]
@@ -130,15 +161,18 @@ def pack_linears(
         child.weight = None  # free the dense copy now, not after the loop
         offset += size
     for parent, name, child, full in linears:
-        if full in blocks:
-            setattr(parent, name, PackedLinear.from_blocks(blocks[full], child.bias))
+        weight = blocks.get(full)
+        if isinstance(weight, list):
+            setattr(parent, name, StackedLinear.from_blocks(weight, child.bias))
+        elif weight is not None:
+            setattr(parent, name, PackedLinear.from_blocks(weight, child.bias))
 
 
 def describe_linears(model: nn.Module) -> str:
     """The packed linears' formats and the weight bytes a decode step reads through them."""
     counts: dict[str, int] = {}
     nbytes = 0
-    for m in model.modules():
+    for m in model.modules():  # a StackedLinear's parts are PackedLinears
         if isinstance(m, PackedLinear):
             counts[m.qtype] = counts.get(m.qtype, 0) + 1
             nbytes += m.packed.numel() * m.packed.element_size()

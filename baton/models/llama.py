@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage, LayerKV
 from baton.models.fused_decode import FusedDecoder
-from baton.models.gguf_blocks import BlockTensor, concat_rows
+from baton.models.gguf_blocks import BlockTensor, BlockWeight, stack_rows
 from baton.models.layers import (
     BlockEmbedding,
     GroupAttnMetadata,
@@ -26,8 +25,6 @@ from baton.models.layers import (
 )
 from baton.models.model_config import TextModelConfig
 from baton.models.recurrent import StateMetadata
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -128,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode = True  # decode-only steps as one C++ call where FusedDecoder supports the model
         self.fused_decoder: FusedDecoder | None = None
         self._fused_storage: KVStorage | None = None  # the storage fused_decoder was decided for
-        self.block_weights: dict[str, BlockTensor] = {}  # weights kept in GGUF blocks, by parameter name
+        self.block_weights: dict[str, BlockWeight] = {}  # weights kept in GGUF blocks, by parameter name
         self._block_parts: dict[str, list[BlockTensor | None]] = {}  # a fused projection's parts so far
         self.requires_grad_(False)
 
@@ -225,11 +222,5 @@ class LlamaForCausalLM(nn.Module):
         self.get_parameter(name).data.copy_(tensor)
 
     def _gather_blocks(self, name: str, parts: list[BlockTensor]) -> None:
-        """A fused projection's parts in one block format, else (formats no one format holds exactly)
-        dequantized into the float parameter."""
-        joined = concat_rows(parts)
-        if joined is not None:
-            self.block_weights[name] = joined
-            return
-        logger.info("%s: parts in %s, kept as float32", name, "/".join(p.qtype for p in parts))
-        self.get_parameter(name).data.copy_(torch.cat([p.dequantize() for p in parts]))
+        """A fused projection's parts, in their formats (stack_rows)."""
+        self.block_weights[name] = stack_rows(parts)

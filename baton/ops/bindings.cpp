@@ -21,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PANEL_LANES") = panel_lanes();
   m.def("pack_weight_panels", &pack_weight_panels, "[N, K] -> [ceil(N/16), K, 16] column panels", release());
   m.def("packed_linear", &packed_linear, "x W^T (+ b) over column panels or GGUF blocks", release());
+  m.def("stacked_linear", &stacked_linear, "x W^T (+ b), W stacked by rows from parts", release());
   m.def("dequantize_rows", &dequantize_rows, "rows of a weight in GGUF blocks, as float32", release());
   m.attr("QUANT_KERNELS") = quant_kernels_available();
   m.def("quant_block_values", &quant_block_values, "values per block of a weight in GGUF blocks", release());

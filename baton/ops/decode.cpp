@@ -25,7 +25,9 @@ struct DecodeLayer {
   torch::Tensor input_norm, post_attn_norm;
   torch::Tensor pre_ff_norm, post_ff_norm;  // Gemma's sandwich norms; undefined for Llama
   torch::Tensor q_norm, k_norm;             // undefined without q/k norm
-  torch::Tensor qkv, o, gate_up, down;      // packed panels (pack_weight_panels)
+  torch::Tensor o, down;                    // packed panels (pack_weight_panels) or GGUF blocks
+  std::vector<torch::Tensor> qkv, gate_up;  // the same, stacked by rows in parts (stacked_linear)
+  std::vector<int64_t> qkv_rows, gate_up_rows;
   c10::optional<torch::Tensor> qkv_bias, o_bias;
   torch::Tensor k_cache, v_cache;  // [slots, kv heads, head dim] views of this layer's KV
   c10::optional<torch::Tensor> k_scale, v_scale;  // an fp8 cache's scales, [blocks, kv heads]
@@ -84,8 +86,9 @@ class FusedDecoder {
 
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attn_norm, c10::optional<torch::Tensor> pre_ff_norm,
                  c10::optional<torch::Tensor> post_ff_norm, c10::optional<torch::Tensor> q_norm,
-                 c10::optional<torch::Tensor> k_norm, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
-                 torch::Tensor o, c10::optional<torch::Tensor> o_bias, torch::Tensor gate_up, torch::Tensor down,
+                 c10::optional<torch::Tensor> k_norm, std::vector<torch::Tensor> qkv, std::vector<int64_t> qkv_rows,
+                 c10::optional<torch::Tensor> qkv_bias, torch::Tensor o, c10::optional<torch::Tensor> o_bias,
+                 std::vector<torch::Tensor> gate_up, std::vector<int64_t> gate_up_rows, torch::Tensor down,
                  torch::Tensor k_cache, torch::Tensor v_cache, int64_t rope, int64_t group,
                  c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
     const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
@@ -111,10 +114,12 @@ class FusedDecoder {
     l.q_norm = q_norm.value_or(torch::Tensor());
     l.k_norm = k_norm.value_or(torch::Tensor());
     l.qkv = std::move(qkv);
+    l.qkv_rows = std::move(qkv_rows);
     l.qkv_bias = std::move(qkv_bias);
     l.o = std::move(o);
     l.o_bias = std::move(o_bias);
     l.gate_up = std::move(gate_up);
+    l.gate_up_rows = std::move(gate_up_rows);
     l.down = std::move(down);
     l.k_cache = std::move(k_cache);
     l.v_cache = std::move(v_cache);
@@ -143,7 +148,7 @@ class FusedDecoder {
       const torch::Tensor h = i == 0 ? rms_norm(residual, c10::nullopt, l.input_norm, eps_, offset_)
                                      : rms_norm(x, residual, l.input_norm, eps_, offset_);
       watch.lap(kNorms);
-      const torch::Tensor qkv = packed_linear(h, l.qkv, l.qkv_bias, q_size + 2 * kv_size);
+      const torch::Tensor qkv = stacked_linear(h, l.qkv, l.qkv_rows, l.qkv_bias, q_size + 2 * kv_size);
       watch.lap(kLinears);
       torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({n, num_heads_ + num_kv_heads_, head_dim_});
       torch::Tensor q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
@@ -175,7 +180,7 @@ class FusedDecoder {
                          offset_)
               : rms_norm(o, residual, l.post_attn_norm, eps_, offset_);
       watch.lap(kNorms);
-      const torch::Tensor gate_up = packed_linear(mlp_in, l.gate_up, c10::nullopt, 2 * intermediate_);
+      const torch::Tensor gate_up = stacked_linear(mlp_in, l.gate_up, l.gate_up_rows, c10::nullopt, 2 * intermediate_);
       watch.lap(kLinears);
       const torch::Tensor act = gated_act(gate_up, gelu_tanh_);
       watch.lap(kNorms);
@@ -284,7 +289,8 @@ void bind_fused_decoder(pybind11::module_& m) {
            py::arg("final_norm"))
       .def("add_layer", &FusedDecoder::add_layer, py::arg("input_norm"), py::arg("post_attn_norm"),
            py::arg("pre_ff_norm"), py::arg("post_ff_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
-           py::arg("qkv_bias"), py::arg("o"), py::arg("o_bias"), py::arg("gate_up"), py::arg("down"),
+           py::arg("qkv_rows"), py::arg("qkv_bias"), py::arg("o"), py::arg("o_bias"), py::arg("gate_up"),
+           py::arg("gate_up_rows"), py::arg("down"),
            py::arg("k_cache"), py::arg("v_cache"), py::arg("rope"), py::arg("group"),
            py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), release())
       .def("forward", &FusedDecoder::forward, release())

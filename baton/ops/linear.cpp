@@ -119,3 +119,27 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   });
   return y;
 }
+
+torch::Tensor stacked_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                             const std::vector<int64_t>& rows, const c10::optional<torch::Tensor>& bias, int64_t n_dim) {
+  TORCH_CHECK(!parts.empty() && parts.size() == rows.size(), "a stacked weight needs one row count per part, got ",
+              parts.size(), " parts and ", rows.size(), " counts");
+  int64_t total = 0;
+  for (int64_t r : rows) {
+    TORCH_CHECK(r > 0, "a part of a stacked weight has ", r, " rows");
+    total += r;
+  }
+  TORCH_CHECK(total == n_dim, "the parts of a stacked weight have ", total, " rows, not out_features = ", n_dim);
+  if (parts.size() == 1) return packed_linear(x, parts[0], bias, n_dim);
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || bias->numel() == n_dim, "bias must have out_features = ", n_dim, " values");
+  std::vector<torch::Tensor> outs;
+  int64_t start = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const c10::optional<torch::Tensor> b =
+        has_bias ? c10::optional<torch::Tensor>(bias->narrow(0, start, rows[i])) : c10::nullopt;
+    outs.push_back(packed_linear(x, parts[i], b, rows[i]));
+    start += rows[i];
+  }
+  return torch::cat(outs, 1);
+}

@@ -3,6 +3,8 @@
 // decode.cpp's fused decode step.
 #include <torch/types.h>
 
+#include <vector>
+
 #include "fp8_kv.h"
 #include "quant_linear.h"
 
@@ -32,6 +34,11 @@ torch::Tensor pack_weight_panels(const torch::Tensor& weight);
 // blocks [N, blocks, block bytes] (quant_linear.h); a row's bits do not depend on the other rows.
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias, int64_t n_dim);
+// x W^T (+ bias) for a W stacked by rows from parts (each a packed_linear weight of rows[i] outputs,
+// n_dim in all): the parts' outputs side by side (a fused projection whose parts ship in different
+// GGUF formats; one part is packed_linear itself).
+torch::Tensor stacked_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                             const std::vector<int64_t>& rows, const c10::optional<torch::Tensor>& bias, int64_t n_dim);
 
 torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual, const torch::Tensor& weight,
                        double eps, double offset);

@@ -26,15 +26,25 @@
 
 namespace {
 
+constexpr int64_t kMaxParts = 8;  // K parts of a weight (gguf_blocks.py's MAX_K_PARTS)
+
 // x as the kernels read it: R rows starting at q (int8, `stride` codes apart), their scales and
 // sums `bstride` scales apart: a scale per 32 values (d) for the 32-value formats, per 256 for the
-// K formats; the codes' sum per 32 values (bsum); for the 32-value formats also d times it (s)
+// K formats; the codes' sum per 32 values (bsum) and, for the K formats, per 16 (bsum16); for the
+// 32-value formats also d times the sum (s)
 struct XRows {
   const int8_t* q;
   const float* d;
   const float* s;
   const int16_t* bsum;
+  const int16_t* bsum16;
   int64_t stride, bstride;
+
+  // the same rows from block b0 on (blocks of `values`)
+  XRows shifted(int64_t b0, int64_t values) const {
+    return {q + b0 * values, d + b0,  s ? s + b0 : nullptr, bsum + b0 * values / 32, bsum16 ? bsum16 + b0 * values / 16 : nullptr,
+            stride, bstride};
+  }
 };
 
 }  // namespace
@@ -73,9 +83,9 @@ constexpr int64_t kRows = 4;                      // rows of x per pass over a g
 constexpr int64_t kRowBlockBytes = 256 * 1024;    // quantized x rows a pass keeps in L2
 
 constexpr int64_t kGroup = 8;                     // output rows of a kernel call, one per lane
-constexpr int64_t kMaxParts = 8;                  // K parts of a weight (gguf_blocks.py's MAX_K_PARTS)
 
-using DotRows = void (*)(int64_t, const uint8_t*, int64_t, const XRows&, float*, int64_t, int64_t, const float*);
+using DotRows = void (*)(int64_t, const uint8_t*, int64_t, int64_t, const XRows&, float*, int64_t, int64_t,
+                         const float*);
 
 struct Isa {
   const char* name;
@@ -109,10 +119,11 @@ std::atomic<const Isa*> g_isa{nullptr};  // null: the float path (quant_linear.c
 struct QuantizedX {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int16_t> bsum;
+  std::vector<int16_t> bsum, bsum16;
 };
 
-void quantize_row(const float* x, int64_t k, int64_t per, int8_t* q, float* d, float* s, int16_t* bsum) {
+void quantize_row(const float* x, int64_t k, int64_t per, int8_t* q, float* d, float* s, int16_t* bsum,
+                  int16_t* bsum16) {
   for (int64_t b = 0; b * per < k; ++b) {
     const float* xb = x + b * per;
     float amax = 0.f;
@@ -133,6 +144,12 @@ void quantize_row(const float* x, int64_t k, int64_t per, int8_t* q, float* d, f
       }
       if (per == 32) s[b] = scale * static_cast<float>(sum);
       bsum[(b * per + c) / 32] = static_cast<int16_t>(sum);
+      if (bsum16 != nullptr) {
+        int half = 0;
+        for (int64_t i = c; i < c + 16; ++i) half += q[b * per + i];
+        bsum16[(b * per + c) / 16] = static_cast<int16_t>(half);
+        bsum16[(b * per + c) / 16 + 1] = static_cast<int16_t>(sum - half);
+      }
     }
   }
 }
@@ -226,37 +243,6 @@ void regrouped_row(const uint8_t* group, int64_t lane, int64_t blocks, int64_t b
   for (int64_t b = 0; b < blocks; ++b) move_lane<false>(group + b * 8 * block_bytes, fields, lane, row + b * block_bytes);
 }
 
-namespace {
-
-// The outputs of a group of 8 weight rows against `count` rows of x with K summed in `parts` parts:
-// each part's sums (acc + offsets) into a buffer, added pairwise as a balanced tree in part order,
-// then the bias; one part goes straight to y.
-void group_rows(const Isa& isa, int64_t parts, int64_t block_bytes, const uint8_t* w, int64_t blocks,
-                int64_t block_values, const XRows& x, int64_t count, float* y, int64_t y_stride, int64_t outputs,
-                const float* bias) {
-  const DotRows dot = isa.rows[count - 1];
-  if (parts == 1) {
-    dot(block_bytes, w, blocks, x, y, y_stride, outputs, bias);
-    return;
-  }
-  const int64_t part_blocks = blocks / parts, scales = block_values == 32 ? 1 : 0;
-  const int64_t sums_per_block = block_values / 32;
-  float sums[kMaxParts][kRows * kGroup];
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t b0 = p * part_blocks;
-    const XRows xp{x.q + b0 * block_values, x.d + b0, scales ? x.s + b0 : nullptr, x.bsum + b0 * sums_per_block,
-                   x.stride, x.bstride};
-    dot(block_bytes, w + b0 * kGroup * block_bytes, part_blocks, xp, sums[p], kGroup, kGroup, nullptr);
-  }
-  for (int64_t width = 1; width < parts; width *= 2)
-    for (int64_t p = 0; p + width < parts; p += 2 * width)
-      for (int64_t i = 0; i < count * kGroup; ++i) sums[p][i] += sums[p + width][i];
-  for (int64_t r = 0; r < count; ++r)
-    for (int64_t l = 0; l < outputs; ++l) y[r * y_stride + l] = sums[0][r * kGroup + l] + (bias ? bias[l] : 0.f);
-}
-
-}  // namespace
-
 torch::Tensor quant_int_linear(const torch::Tensor& x, const torch::Tensor& weight, const float* bias, int64_t n_dim,
                                int64_t block_values, int64_t parts) {
   TORCH_CHECK(parts >= 1 && parts <= kMaxParts && weight.size(1) % parts == 0, weight.size(1),
@@ -269,11 +255,13 @@ torch::Tensor quant_int_linear(const torch::Tensor& x, const torch::Tensor& weig
   qx.d.resize(rows * nd);
   qx.s.resize(per == 32 ? rows * nd : 0);
   qx.bsum.resize(rows * k_dim / 32);
+  qx.bsum16.resize(per == 256 ? rows * k_dim / 16 : 0);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       quantize_row(xp + r * x.stride(0), k_dim, per, qx.q.data() + r * k_dim, qx.d.data() + r * nd,
-                   per == 32 ? qx.s.data() + r * nd : nullptr, qx.bsum.data() + r * k_dim / 32);
+                   per == 32 ? qx.s.data() + r * nd : nullptr, qx.bsum.data() + r * k_dim / 32,
+                   per == 256 ? qx.bsum16.data() + r * k_dim / 16 : nullptr);
   });
   auto y = torch::empty({rows, n_dim}, x.options());
   const uint8_t* wp = weight.data_ptr<uint8_t>();
@@ -296,10 +284,11 @@ torch::Tensor quant_int_linear(const torch::Tensor& x, const torch::Tensor& weig
                          qx.d.data() + r * nd,
                          per == 32 ? qx.s.data() + r * nd : nullptr,
                          qx.bsum.data() + r * k_dim / 32,
+                         per == 256 ? qx.bsum16.data() + r * k_dim / 16 : nullptr,
                          k_dim,
                          nd};
-          group_rows(isa, parts, block_bytes, wp + g * group_bytes, blocks, block_values, xr, count,
-                     yp + r * n_dim + g * kGroup, n_dim, outputs, b);
+          isa.rows[count - 1](block_bytes, wp + g * group_bytes, blocks, parts, xr, yp + r * n_dim + g * kGroup, n_dim,
+                              outputs, b);
         }
       }
     });

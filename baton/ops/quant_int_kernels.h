@@ -92,15 +92,12 @@ inline void store_lanes(float* y, __m256 v, int64_t n) {
   for (int64_t l = 0; l < n; ++l) y[l] = lanes[l];
 }
 
-// The 8 rows' results of R rows of x: y[r * y_stride + l] = acc + offsets + bias, lanes l < n
+// The 8 rows' sums for R rows of x: acc + offsets
 template <int R>
 struct Out8 {
   __m256 acc[R], off[R];
   Out8() {
     for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
-  }
-  void store(float* y, int64_t y_stride, int64_t n, __m256 bias) const {
-    for (int r = 0; r < R; ++r) store_lanes(y + r * y_stride, _mm256_add_ps(_mm256_add_ps(acc[r], off[r]), bias), n);
   }
 };
 
@@ -117,7 +114,7 @@ void dot8_blocks32(const uint8_t* w, int64_t nb, const XRows& x, Out8<R>& out) {
   constexpr int kOffset = K == Kind::kQ4_0 ? 8 : K == Kind::kQ5_0 ? 16 : 0;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 8 * Bytes;
-    prefetch_block(blk, 8 * Bytes, 1024);
+    prefetch_block(blk, 8 * Bytes, 4096);
     __m256i c[8];  // group k (values 4k .. 4k + 3) of the 8 rows
     if constexpr (K == Kind::kQ8_0) {
       field_dwords(blk, 2, c);
@@ -159,7 +156,7 @@ void dot8_k45(const uint8_t* w, int64_t nb, const XRows& x, Out8<R>& out) {
   constexpr int64_t kBytes = Q5 ? 176 : 144;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 8 * kBytes;
-    // no software prefetch: the hardware's keeps up with this stream (Q4_K decode 36 -> 29 ms a token)
+    prefetch_block(blk, kBytes * 8, 4096);
     const __m256 d = field_half(blk, 0), dmin = field_half(blk, 2);
     // ggml's get_scale_min_k4 for 8 rows at once: q = the 12 scale bytes as dwords s0, s1, s2
     const __m256i s0 = field_u32(blk, 4), s1 = field_u32(blk, 8), s2 = field_u32(blk, 12);
@@ -227,41 +224,59 @@ void dot8_k45(const uint8_t* w, int64_t nb, const XRows& x, Out8<R>& out) {
 
 // Q6_K (ql 128, qh 64, 16 int8 scales, d): per 256 values d * sc[i / 16] * (q - 32), q 4 bits
 // from ql and 2 from qh; per 128 values n, the 32 values of group g take ql's low (g < 2) or high
-// nibbles of bytes [32 (g & 1), +32) and qh's bits 2g, 2g + 1
+// nibbles of bytes [32 (g & 1), +32) and qh's bits 2g, 2g + 1. The unsigned q meet x as they are;
+// the offset comes off as 32 times the sum over sub-blocks of sc times x's codes' sum per 16.
 template <int R>
 void dot8_q6_k(const uint8_t* w, int64_t nb, const XRows& x, Out8<R>& out) {
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 8 * 210;
-    prefetch_block(blk, 8 * 210, 1024);
+    prefetch_block(blk, 8 * 210, 4096);
     const __m256 d = field_half(blk, 208);
-    __m256i sc[16];  // sub-block s's int8 scale of the 8 rows
+    __m256i sc[16];     // sub-block s's int8 scale of the 8 rows
+    __m256i sc_pair[8];  // scales of sub-blocks 2i, 2i + 1 as int16 pairs
     for (int q4 = 0; q4 < 4; ++q4) {
       const __m256i s = field_u32(blk, 192 + 4 * q4);
       for (int j = 0; j < 4; ++j) sc[4 * q4 + j] = _mm256_srai_epi32(_mm256_slli_epi32(s, 24 - 8 * j), 24);
     }
+    for (int i = 0; i < 8; ++i)
+      sc_pair[i] = _mm256_blend_epi16(sc[2 * i], _mm256_slli_epi32(sc[2 * i + 1], 16), 0xAA);
     __m256i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r) {
+      const int16_t* s16 = x.bsum16 + (r * x.bstride + b) * 16;
+      __m256i corr = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) {
+        const int pair = static_cast<int>(static_cast<uint16_t>(s16[2 * i])) | (static_cast<int>(s16[2 * i + 1]) << 16);
+        corr = _mm256_add_epi32(corr, _mm256_madd_epi16(sc_pair[i], _mm256_set1_epi32(pair)));
+      }
+      isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5));
+    }
+    const __m256i mask = _mm256_set1_epi8(0x30);
     for (int n = 0; n < 2; ++n) {
       __m256i ql[16], qh[8];
       for (int q4 = 0; q4 < 4; ++q4) field_dwords(blk, 64 * n + 16 * q4, ql + 4 * q4);
       field_dwords(blk, 128 + 32 * n, qh);
       field_dwords(blk, 144 + 32 * n, qh + 4);
       for (int g = 0; g < 4; ++g) {
-        __m256i c[8];  // 4-value group t of the 8 rows
+        __m256i c[8];  // 4-value group t of the 8 rows, q in 0 .. 63
         for (int t = 0; t < 8; ++t) {
           const __m256i l = ql[t + 8 * (g & 1)];
           const __m256i low = g < 2 ? low_nibbles(l) : high_nibbles(l);
-          const __m256i high =
-              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh[t], 2 * g), _mm256_set1_epi8(3)), 4);
-          c[t] = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+          // qh's bits 2g, 2g + 1 to bits 4, 5 of each byte (16-bit shifts: what crosses a byte is masked off)
+          const __m256i h = g == 0   ? _mm256_slli_epi16(qh[t], 4)
+                            : g == 1 ? _mm256_slli_epi16(qh[t], 2)
+                            : g == 2 ? qh[t]
+                                     : _mm256_srli_epi16(qh[t], 2);
+          c[t] = _mm256_or_si256(low, _mm256_and_si256(h, mask));
         }
         for (int r = 0; r < R; ++r) {
           const int8_t* xq = x.q + r * x.stride + b * 256 + 128 * n + 32 * g;
-          for (int h = 0; h < 2; ++h) {  // the sub-blocks of 16 values: groups t in [4h, 4h + 4)
-            __m256i sub = _mm256_setzero_si256();
-            for (int t = 4 * h; t < 4 * h + 4; ++t) sub = dpbssd(sub, c[t], x_group(xq + 4 * t));
-            isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(sub, sc[8 * n + 2 * g + h]));
+          __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();  // the two sub-blocks of 16
+          for (int t = 0; t < 4; ++t) {
+            lo = dpbusd(lo, c[t], x_group(xq + 4 * t));
+            hi = dpbusd(hi, c[t + 4], x_group(xq + 16 + 4 * t));
           }
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(lo, sc[8 * n + 2 * g]));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(hi, sc[8 * n + 2 * g + 1]));
         }
       }
     }
@@ -272,20 +287,42 @@ void dot8_q6_k(const uint8_t* w, int64_t nb, const XRows& x, Out8<R>& out) {
 }
 
 // y[r * y_stride + l] for rows [0, R) of x and a group of 8 weight rows at w (`nb` blocks of a
-// format's `block_bytes` per row, regrouped), lanes l < n; bias: 8 values or null
-template <int R>
-void dot8_rows(int64_t block_bytes, const uint8_t* w, int64_t nb, const XRows& x, float* y, int64_t y_stride,
-               int64_t n, const float* bias) {
-  Out8<R> out;
-  switch (block_bytes) {
-    case 34: dot8_blocks32<Kind::kQ8_0, 34, R>(w, nb, x, out); break;
-    case 18: dot8_blocks32<Kind::kQ4_0, 18, R>(w, nb, x, out); break;
-    case 20: dot8_blocks32<Kind::kQ4_1, 20, R>(w, nb, x, out); break;
-    case 22: dot8_blocks32<Kind::kQ5_0, 22, R>(w, nb, x, out); break;
-    case 24: dot8_blocks32<Kind::kQ5_1, 24, R>(w, nb, x, out); break;
-    case 144: dot8_k45<false, R>(w, nb, x, out); break;
-    case 176: dot8_k45<true, R>(w, nb, x, out); break;
-    case 210: dot8_q6_k<R>(w, nb, x, out); break;
+// format's `block_bytes` per row, regrouped), lanes l < n; bias: 8 values or null. K in `parts`
+// equal parts: each summed from zero (acc + offsets), the parts added pairwise as a balanced tree
+// in order (0 + 1, 2 + 3, then those, ...), then the bias.
+template <int R, class Kernel>
+void dot8_parts(Kernel kernel, int64_t block_bytes, int64_t block_values, const uint8_t* w, int64_t nb, int64_t parts,
+                const XRows& x, float* y, int64_t y_stride, int64_t n, const float* bias) {
+  __m256 sums[kMaxParts][R];
+  const int64_t part_blocks = nb / parts;
+  for (int64_t p = 0; p < parts; ++p) {
+    Out8<R> out;
+    kernel(w + p * part_blocks * 8 * block_bytes, part_blocks, x.shifted(p * part_blocks, block_values), out);
+    for (int r = 0; r < R; ++r) sums[p][r] = _mm256_add_ps(out.acc[r], out.off[r]);
   }
-  out.store(y, y_stride, n, bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps());
+  for (int64_t width = 1; width < parts; width *= 2)
+    for (int64_t p = 0; p + width < parts; p += 2 * width)
+      for (int r = 0; r < R; ++r) sums[p][r] = _mm256_add_ps(sums[p][r], sums[p + width][r]);
+  const __m256 b = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) store_lanes(y + r * y_stride, _mm256_add_ps(sums[0][r], b), n);
 }
+
+// the kernels as types, so dot8_parts inlines them
+#define BATON_KERNEL(...) \
+  [](const uint8_t* w, int64_t nb, const XRows& x, Out8<R>& out) { __VA_ARGS__(w, nb, x, out); }
+
+template <int R>
+void dot8_rows(int64_t block_bytes, const uint8_t* w, int64_t nb, int64_t parts, const XRows& x, float* y,
+               int64_t y_stride, int64_t n, const float* bias) {
+  switch (block_bytes) {
+    case 34: return dot8_parts<R>(BATON_KERNEL(dot8_blocks32<Kind::kQ8_0, 34, R>), 34, 32, w, nb, parts, x, y, y_stride, n, bias);
+    case 18: return dot8_parts<R>(BATON_KERNEL(dot8_blocks32<Kind::kQ4_0, 18, R>), 18, 32, w, nb, parts, x, y, y_stride, n, bias);
+    case 20: return dot8_parts<R>(BATON_KERNEL(dot8_blocks32<Kind::kQ4_1, 20, R>), 20, 32, w, nb, parts, x, y, y_stride, n, bias);
+    case 22: return dot8_parts<R>(BATON_KERNEL(dot8_blocks32<Kind::kQ5_0, 22, R>), 22, 32, w, nb, parts, x, y, y_stride, n, bias);
+    case 24: return dot8_parts<R>(BATON_KERNEL(dot8_blocks32<Kind::kQ5_1, 24, R>), 24, 32, w, nb, parts, x, y, y_stride, n, bias);
+    case 144: return dot8_parts<R>(BATON_KERNEL(dot8_k45<false, R>), 144, 256, w, nb, parts, x, y, y_stride, n, bias);
+    case 176: return dot8_parts<R>(BATON_KERNEL(dot8_k45<true, R>), 176, 256, w, nb, parts, x, y, y_stride, n, bias);
+    case 210: return dot8_parts<R>(BATON_KERNEL(dot8_q6_k<R>), 210, 256, w, nb, parts, x, y, y_stride, n, bias);
+  }
+}
+#undef BATON_KERNEL

@@ -20,7 +20,7 @@ from torch import nn
 from baton.kv.spec import KVSpec
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor
+from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor, BlockWeight
 from baton.models.layers import BlockEmbedding
 from baton.models.model_config import TextModelConfig
 from baton.parallel.comm import TPGroup
@@ -80,15 +80,14 @@ class Sharder:
 
     def __init__(self, model: nn.Module, tp: TPGroup) -> None:
         self.model, self.tp = model, tp
-        self.blocks: dict[str, BlockTensor] = getattr(model, "block_weights", {})
+        self.blocks: dict[str, BlockWeight] = getattr(model, "block_weights", {})
         self.paths = {id(m): name for name, m in model.named_modules()}
 
     def take_rows(self, linear: nn.Linear, rows: torch.Tensor) -> nn.Linear:
         key = f"{self.paths[id(linear)]}.weight"
         bias = None if linear.bias is None else linear.bias.data[rows]
         if key in self.blocks:
-            bt = self.blocks[key]
-            self.blocks[key] = BlockTensor(bt.qtype, bt.blocks[rows].contiguous(), k_parts=bt.k_parts)
+            self.blocks[key] = _take_rows(self.blocks[key], rows)
             return self._replace(linear, None, bias, in_features=linear.in_features, out_features=len(rows))
         return self._replace(linear, linear.weight.data[rows], bias)
 
@@ -98,13 +97,17 @@ class Sharder:
         if linear.bias is not None and not keep_bias:
             bias = torch.zeros_like(linear.bias.data)  # added once, by rank 0, before the sum
         if key in self.blocks:
-            bt = self.blocks.pop(key)
-            values, _ = BLOCK_FORMATS[bt.qtype]
-            if cols.start % values == 0 and cols.stop % values == 0:
-                self.blocks[key] = bt.take_blocks(cols.start // values, cols.stop // values)
+            weight = self.blocks.pop(key)
+            parts = weight if isinstance(weight, list) else [weight]
+            if all(cols.start % BLOCK_FORMATS[p.qtype][0] == 0 == cols.stop % BLOCK_FORMATS[p.qtype][0] for p in parts):
+                taken = [
+                    p.take_blocks(*(c // BLOCK_FORMATS[p.qtype][0] for c in (cols.start, cols.stop))) for p in parts
+                ]
+                self.blocks[key] = taken if isinstance(weight, list) else taken[0]
                 return self._replace(linear, None, bias, in_features=len(cols), out_features=linear.out_features)
-            logger.info("%s: %s columns %s are not whole blocks; kept as float32", key, bt.qtype, cols)
-            return self._replace(linear, bt.dequantize()[:, cols.start : cols.stop], bias)
+            logger.info("%s: columns %s are not whole blocks; kept as float32", key, cols)
+            dense = torch.cat([p.dequantize() for p in parts])
+            return self._replace(linear, dense[:, cols.start : cols.stop], bias)
         new = self._replace(linear, linear.weight.data[:, cols.start : cols.stop], bias)
         new.k_slice = (cols.start, cols.stop, linear.in_features)  # for quantization at load (pack_linears)
         return new
@@ -121,6 +124,21 @@ class Sharder:
             new.bias = nn.Parameter(bias.contiguous().clone(), requires_grad=False)
         self.paths[id(new)] = self.paths[id(old)]
         return new
+
+
+def _take_rows(weight: BlockWeight, rows: torch.Tensor) -> BlockWeight:
+    """Rows `rows` (ascending) of a matrix in blocks; of row parts in several formats, each part's
+    rows among them (parts left without rows dropped)."""
+    if not isinstance(weight, list):
+        return BlockTensor(weight.qtype, weight.blocks[rows].contiguous(), k_parts=weight.k_parts)
+    taken, start = [], 0
+    for part in weight:
+        stop = start + part.blocks.shape[0]
+        mine = rows[(rows >= start) & (rows < stop)] - start
+        if len(mine):
+            taken.append(BlockTensor(part.qtype, part.blocks[mine].contiguous(), k_parts=part.k_parts))
+        start = stop
+    return taken if len(taken) > 1 else taken[0]
 
 
 class RowParallel(nn.Module):
