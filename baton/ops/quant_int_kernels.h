@@ -101,9 +101,21 @@ struct Out8 {
   }
 };
 
+// Integer sums of R rows in C chains each: for a few rows two chains hide dpbusd's latency, for
+// more the rows do (and registers are short). Integer sums: any order gives the same.
+template <int R>
+constexpr int kChains = R <= 2 ? 2 : 1;
+
+// acc[c] summed into acc[0]
+template <int C>
+inline __m256i fold_chains(const __m256i* acc) {
+  return C == 2 ? _mm256_add_epi32(acc[0], acc[1]) : acc[0];
+}
+
 // Q8_0 (d, 32 int8), Q4_0 (d, nibbles; d * (q - 8)), Q5_0 (d, fifth bits, nibbles; d * (q - 16)),
 // Q4_1 / Q5_1 (d, m, ...; d * q + m): the unsigned codes meet x as they are, and q's offset
-// comes off the integer sum as offset times x's codes' sum; m meets d_x times that sum.
+// comes off the integer sum as offset times x's codes' sum; m meets d_x times that sum. Each
+// 4-value group of the 8 rows' codes is unpacked once and meets every row of x at once.
 enum class Kind { kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1 };
 
 template <Kind K, int64_t Bytes, int R>
@@ -112,32 +124,35 @@ void dot8_blocks32(const uint8_t* w, int64_t nb, const XRows& x, Out8<R>& out) {
   constexpr bool kFive = K == Kind::kQ5_0 || K == Kind::kQ5_1;
   constexpr int64_t kQs = 2 + (kMin ? 2 : 0) + (kFive ? 4 : 0);
   constexpr int kOffset = K == Kind::kQ4_0 ? 8 : K == Kind::kQ5_0 ? 16 : 0;
+  constexpr int C = kChains<R>;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 8 * Bytes;
     prefetch_block(blk, 8 * Bytes, 4096);
-    __m256i c[8];  // group k (values 4k .. 4k + 3) of the 8 rows
-    if constexpr (K == Kind::kQ8_0) {
-      field_dwords(blk, 2, c);
-      field_dwords(blk, 18, c + 4);
-    } else {
-      __m256i raw[4];
-      field_dwords(blk, kQs, raw);
-      for (int k = 0; k < 4; ++k) c[k] = low_nibbles(raw[k]), c[k + 4] = high_nibbles(raw[k]);
-      if constexpr (kFive) {
-        const __m256i qh = field_u32(blk, kQs - 4);
-        for (int k = 0; k < 8; ++k) c[k] = _mm256_or_si256(c[k], fifth_bits(qh, k));
+    __m256i isum[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) isum[r][c] = _mm256_setzero_si256();
+    const __m256i qh = kFive ? field_u32(blk, kQs - 4) : _mm256_setzero_si256();
+    for (int k = 0; k < 8; ++k) {  // group k (values 4k .. 4k + 3) of the 8 rows
+      __m256i code;
+      if constexpr (K == Kind::kQ8_0) {
+        code = load32(blk + 8 * (2 + 16 * (k / 4)) + 32 * (k % 4));
+      } else {
+        const __m256i raw = load32(blk + 8 * kQs + 32 * (k % 4));
+        code = k < 4 ? low_nibbles(raw) : high_nibbles(raw);
+        if constexpr (kFive) code = _mm256_or_si256(code, fifth_bits(qh, k));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i xg = x_group(x.q + r * x.stride + b * 32 + 4 * k);
+        isum[r][k % C] = K == Kind::kQ8_0 ? dpbssd(isum[r][k % C], code, xg) : dpbusd(isum[r][k % C], code, xg);
       }
     }
     const __m256 d = field_half(blk, 0);
     const __m256 m = kMin ? field_half(blk, 2) : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
-      const int8_t* xq = x.q + r * x.stride + b * 32;
-      __m256i isum = _mm256_setzero_si256();
-      for (int k = 0; k < 8; ++k)
-        isum = K == Kind::kQ8_0 ? dpbssd(isum, c[k], x_group(xq + 4 * k)) : dpbusd(isum, c[k], x_group(xq + 4 * k));
+      __m256i sum = fold_chains<C>(isum[r]);
       const int64_t at = r * x.bstride + b;
-      if constexpr (kOffset != 0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(kOffset * x.bsum[at]));
-      out.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(x.d[at])), out.acc[r]);
+      if constexpr (kOffset != 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(kOffset * x.bsum[at]));
+      out.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x.d[at])), out.acc[r]);
       if constexpr (kMin) out.off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[at]), out.off[r]);
     }
   }
@@ -154,70 +169,69 @@ inline __m256i byte_of(__m256i v, int j) {
 template <bool Q5, int R>
 void dot8_k45(const uint8_t* w, int64_t nb, const XRows& x, Out8<R>& out) {
   constexpr int64_t kBytes = Q5 ? 176 : 144;
+  constexpr int64_t kQs = Q5 ? 48 : 16;
+  constexpr int C = kChains<R>;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 8 * kBytes;
     prefetch_block(blk, kBytes * 8, 4096);
-    const __m256 d = field_half(blk, 0), dmin = field_half(blk, 2);
     // ggml's get_scale_min_k4 for 8 rows at once: q = the 12 scale bytes as dwords s0, s1, s2
     const __m256i s0 = field_u32(blk, 4), s1 = field_u32(blk, 8), s2 = field_u32(blk, 12);
     const __m256i six = _mm256_set1_epi8(63), top2 = _mm256_set1_epi8(static_cast<char>(0xC0));
     const __m256i sc_lo = _mm256_and_si256(s0, six), mn_lo = _mm256_and_si256(s1, six);
     const __m256i sc_hi = _mm256_or_si256(low_nibbles(s2), _mm256_srli_epi16(_mm256_and_si256(s0, top2), 2));
     const __m256i mn_hi = _mm256_or_si256(high_nibbles(s2), _mm256_srli_epi16(_mm256_and_si256(s1, top2), 2));
-    __m256i sc[8], mins[4];  // sub-block j's scale; mins of sub-blocks 2i, 2i + 1 as int16 pairs
-    for (int j = 0; j < 4; ++j) sc[j] = byte_of(sc_lo, j), sc[j + 4] = byte_of(sc_hi, j);
-    for (int i = 0; i < 2; ++i) {
-      const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(mn_lo, 16 * i), _mm256_set1_epi32(0xFFFF));
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(mn_hi, 16 * i), _mm256_set1_epi32(0xFFFF));
-      // bytes (m_2i, m_2i+1) of each lane as two int16
-      mins[i] = _mm256_and_si256(_mm256_or_si256(lo, _mm256_slli_epi32(lo, 8)), _mm256_set1_epi32(0x00FF00FF));
-      mins[i + 2] = _mm256_and_si256(_mm256_or_si256(hi, _mm256_slli_epi32(hi, 8)), _mm256_set1_epi32(0x00FF00FF));
-    }
-    __m256i qh[8];
-    if constexpr (Q5) field_dwords(blk, 16, qh), field_dwords(blk, 32, qh + 4);
-    constexpr int64_t kQs = Q5 ? 48 : 16;
-    __m256i isum[R], msum[R];
-    for (int r = 0; r < R; ++r) {
-      const int16_t* bsum = x.bsum + (r * x.bstride + b) * 8;
-      msum[r] = _mm256_setzero_si256();
-      for (int i = 0; i < 4; ++i) {  // sum over j of m_j * bsum_j, two sub-blocks a madd
-        const int pair = static_cast<int>(static_cast<uint16_t>(bsum[2 * i])) | (static_cast<int>(bsum[2 * i + 1]) << 16);
-        msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(mins[i], _mm256_set1_epi32(pair)));
+    {
+      __m256i mins[4];  // mins of sub-blocks 2i, 2i + 1 as int16 pairs
+      for (int i = 0; i < 2; ++i) {
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(mn_lo, 16 * i), _mm256_set1_epi32(0xFFFF));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(mn_hi, 16 * i), _mm256_set1_epi32(0xFFFF));
+        // bytes (m_2i, m_2i+1) of each lane as two int16
+        mins[i] = _mm256_and_si256(_mm256_or_si256(lo, _mm256_slli_epi32(lo, 8)), _mm256_set1_epi32(0x00FF00FF));
+        mins[i + 2] = _mm256_and_si256(_mm256_or_si256(hi, _mm256_slli_epi32(hi, 8)), _mm256_set1_epi32(0x00FF00FF));
       }
-      isum[r] = _mm256_setzero_si256();
+      const __m256 dmin = field_half(blk, 2);
+      for (int r = 0; r < R; ++r) {  // the mins' part: dmin * sum over j of m_j * bsum_j, two sub-blocks a madd
+        const int16_t* bsum = x.bsum + (r * x.bstride + b) * 8;
+        __m256i msum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) {
+          const int pair = static_cast<int>(static_cast<uint16_t>(bsum[2 * i])) | (static_cast<int>(bsum[2 * i + 1]) << 16);
+          msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[i], _mm256_set1_epi32(pair)));
+        }
+        const __m256 dx = _mm256_set1_ps(x.d[r * x.bstride + b]);
+        out.off[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, dx), out.off[r]);
+      }
     }
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
     for (int p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p + 1 (high), groups t of 4 values
-      __m256i lo[8], hi[8];
-      field_dwords(blk, kQs + 32 * p, lo);
-      field_dwords(blk, kQs + 32 * p + 16, lo + 4);
+      __m256i s_lo[R][C], s_hi[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) s_lo[r][c] = s_hi[r][c] = _mm256_setzero_si256();
       for (int t = 0; t < 8; ++t) {
-        hi[t] = high_nibbles(lo[t]), lo[t] = low_nibbles(lo[t]);
+        const __m256i raw = load32(blk + 8 * (kQs + 32 * p) + 32 * t);
+        __m256i lo = low_nibbles(raw), hi = high_nibbles(raw);
         if constexpr (Q5) {
-          const __m256i one = _mm256_set1_epi8(1);
-          lo[t] = _mm256_or_si256(lo[t], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh[t], 2 * p), one), 4));
-          hi[t] = _mm256_or_si256(hi[t], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh[t], 2 * p + 1), one), 4));
+          const __m256i qh = load32(blk + 8 * 16 + 32 * t), one = _mm256_set1_epi8(1);
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one), 4));
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = x.q + r * x.stride + b * 256 + 64 * p + 4 * t;
+          s_lo[r][t % C] = dpbusd(s_lo[r][t % C], lo, x_group(xq));
+          s_hi[r][t % C] = dpbusd(s_hi[r][t % C], hi, x_group(xq + 32));
         }
       }
+      const __m256i sc_a = byte_of(p < 2 ? sc_lo : sc_hi, (2 * p) % 4);
+      const __m256i sc_b = byte_of(p < 2 ? sc_lo : sc_hi, (2 * p + 1) % 4);
       for (int r = 0; r < R; ++r) {
-        const int8_t* xq = x.q + r * x.stride + b * 256 + 64 * p;
-        // two chains each (integer sums: any order gives the same)
-        __m256i s_lo = _mm256_setzero_si256(), s_hi = _mm256_setzero_si256();
-        __m256i s_lo2 = _mm256_setzero_si256(), s_hi2 = _mm256_setzero_si256();
-        for (int t = 0; t < 8; t += 2) {
-          s_lo = dpbusd(s_lo, lo[t], x_group(xq + 4 * t));
-          s_hi = dpbusd(s_hi, hi[t], x_group(xq + 32 + 4 * t));
-          s_lo2 = dpbusd(s_lo2, lo[t + 1], x_group(xq + 4 * t + 4));
-          s_hi2 = dpbusd(s_hi2, hi[t + 1], x_group(xq + 32 + 4 * t + 4));
-        }
-        s_lo = _mm256_add_epi32(s_lo, s_lo2), s_hi = _mm256_add_epi32(s_hi, s_hi2);
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(s_lo, sc[2 * p]));
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(s_hi, sc[2 * p + 1]));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(fold_chains<C>(s_lo[r]), sc_a));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(fold_chains<C>(s_hi[r]), sc_b));
       }
     }
+    const __m256 d = field_half(blk, 0);
     for (int r = 0; r < R; ++r) {
       const __m256 dx = _mm256_set1_ps(x.d[r * x.bstride + b]);
       out.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dx), out.acc[r]);
-      out.off[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(dmin, dx), out.off[r]);
     }
   }
 }
@@ -228,58 +242,67 @@ void dot8_k45(const uint8_t* w, int64_t nb, const XRows& x, Out8<R>& out) {
 // the offset comes off as 32 times the sum over sub-blocks of sc times x's codes' sum per 16.
 template <int R>
 void dot8_q6_k(const uint8_t* w, int64_t nb, const XRows& x, Out8<R>& out) {
+  constexpr int C = kChains<R>;
+  const __m256i mask = _mm256_set1_epi8(0x30);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 8 * 210;
     prefetch_block(blk, 8 * 210, 4096);
-    const __m256 d = field_half(blk, 208);
-    __m256i sc[16];     // sub-block s's int8 scale of the 8 rows
-    __m256i sc_pair[8];  // scales of sub-blocks 2i, 2i + 1 as int16 pairs
-    for (int q4 = 0; q4 < 4; ++q4) {
-      const __m256i s = field_u32(blk, 192 + 4 * q4);
-      for (int j = 0; j < 4; ++j) sc[4 * q4 + j] = _mm256_srai_epi32(_mm256_slli_epi32(s, 24 - 8 * j), 24);
-    }
-    for (int i = 0; i < 8; ++i)
-      sc_pair[i] = _mm256_blend_epi16(sc[2 * i], _mm256_slli_epi32(sc[2 * i + 1], 16), 0xAA);
     __m256i isum[R];
-    for (int r = 0; r < R; ++r) {
-      const int16_t* s16 = x.bsum16 + (r * x.bstride + b) * 16;
-      __m256i corr = _mm256_setzero_si256();
-      for (int i = 0; i < 8; ++i) {
-        const int pair = static_cast<int>(static_cast<uint16_t>(s16[2 * i])) | (static_cast<int>(s16[2 * i + 1]) << 16);
-        corr = _mm256_add_epi32(corr, _mm256_madd_epi16(sc_pair[i], _mm256_set1_epi32(pair)));
+    {
+      __m256i sc_pair[8];  // the int8 scales of sub-blocks 2i, 2i + 1 of the 8 rows as int16 pairs
+      for (int q4 = 0; q4 < 4; ++q4) {
+        const __m256i s = field_u32(blk, 192 + 4 * q4);
+        for (int j = 0; j < 4; j += 2)
+          sc_pair[2 * q4 + j / 2] = _mm256_blend_epi16(_mm256_srai_epi32(_mm256_slli_epi32(s, 24 - 8 * j), 24),
+                                                        _mm256_slli_epi32(_mm256_srai_epi32(_mm256_slli_epi32(s, 16 - 8 * j), 24), 16),
+                                                        0xAA);
       }
-      isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5));
+      for (int r = 0; r < R; ++r) {
+        const int16_t* s16 = x.bsum16 + (r * x.bstride + b) * 16;
+        __m256i corr = _mm256_setzero_si256();
+        for (int i = 0; i < 8; ++i) {
+          const int pair = static_cast<int>(static_cast<uint16_t>(s16[2 * i])) | (static_cast<int>(s16[2 * i + 1]) << 16);
+          corr = _mm256_add_epi32(corr, _mm256_madd_epi16(sc_pair[i], _mm256_set1_epi32(pair)));
+        }
+        isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5));
+      }
     }
-    const __m256i mask = _mm256_set1_epi8(0x30);
     for (int n = 0; n < 2; ++n) {
-      __m256i ql[16], qh[8];
-      for (int q4 = 0; q4 < 4; ++q4) field_dwords(blk, 64 * n + 16 * q4, ql + 4 * q4);
-      field_dwords(blk, 128 + 32 * n, qh);
-      field_dwords(blk, 144 + 32 * n, qh + 4);
       for (int g = 0; g < 4; ++g) {
-        __m256i c[8];  // 4-value group t of the 8 rows, q in 0 .. 63
-        for (int t = 0; t < 8; ++t) {
-          const __m256i l = ql[t + 8 * (g & 1)];
-          const __m256i low = g < 2 ? low_nibbles(l) : high_nibbles(l);
-          // qh's bits 2g, 2g + 1 to bits 4, 5 of each byte (16-bit shifts: what crosses a byte is masked off)
-          const __m256i h = g == 0   ? _mm256_slli_epi16(qh[t], 4)
-                            : g == 1 ? _mm256_slli_epi16(qh[t], 2)
-                            : g == 2 ? qh[t]
-                                     : _mm256_srli_epi16(qh[t], 2);
-          c[t] = _mm256_or_si256(low, _mm256_and_si256(h, mask));
-        }
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xq = x.q + r * x.stride + b * 256 + 128 * n + 32 * g;
-          __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();  // the two sub-blocks of 16
-          for (int t = 0; t < 4; ++t) {
-            lo = dpbusd(lo, c[t], x_group(xq + 4 * t));
-            hi = dpbusd(hi, c[t + 4], x_group(xq + 16 + 4 * t));
+        __m256i lo[R][C], hi[R][C];  // the two sub-blocks of 16 values
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) lo[r][c] = hi[r][c] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; ++t) {
+          __m256i code[2];  // 4-value groups t and t + 4 of the 8 rows, q in 0 .. 63
+          for (int u = 0; u < 2; ++u) {
+            const int tt = t + 4 * u;
+            const __m256i l = load32(blk + 8 * (64 * n + 16 * (tt / 4 + 2 * (g & 1))) + 32 * (tt % 4));
+            const __m256i qh = load32(blk + 8 * (128 + 32 * n + 16 * (tt / 4)) + 32 * (tt % 4));
+            const __m256i low = g < 2 ? low_nibbles(l) : high_nibbles(l);
+            // qh's bits 2g, 2g + 1 to bits 4, 5 of each byte (16-bit shifts: what crosses a byte is masked off)
+            const __m256i h = g == 0   ? _mm256_slli_epi16(qh, 4)
+                              : g == 1 ? _mm256_slli_epi16(qh, 2)
+                              : g == 2 ? qh
+                                       : _mm256_srli_epi16(qh, 2);
+            code[u] = _mm256_or_si256(low, _mm256_and_si256(h, mask));
           }
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(lo, sc[8 * n + 2 * g]));
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(hi, sc[8 * n + 2 * g + 1]));
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xq = x.q + r * x.stride + b * 256 + 128 * n + 32 * g + 4 * t;
+            lo[r][t % C] = dpbusd(lo[r][t % C], code[0], x_group(xq));
+            hi[r][t % C] = dpbusd(hi[r][t % C], code[1], x_group(xq + 16));
+          }
+        }
+        const int s = 8 * n + 2 * g;  // sub-blocks s, s + 1: scale bytes s % 4, s % 4 + 1 of dword s / 4
+        const __m256i sd = field_u32(blk, 192 + 4 * (s / 4));
+        const __m256i sc_a = _mm256_srai_epi32(_mm256_slli_epi32(sd, 24 - 8 * (s % 4)), 24);
+        const __m256i sc_b = _mm256_srai_epi32(_mm256_slli_epi32(sd, 16 - 8 * (s % 4)), 24);
+        for (int r = 0; r < R; ++r) {
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(fold_chains<C>(lo[r]), sc_a));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(fold_chains<C>(hi[r]), sc_b));
         }
       }
     }
+    const __m256 d = field_half(blk, 208);
     for (int r = 0; r < R; ++r)
       out.acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]),
                                    _mm256_mul_ps(d, _mm256_set1_ps(x.d[r * x.bstride + b])), out.acc[r]);
