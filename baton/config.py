@@ -70,7 +70,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str | None = None
     """Storage dtype of the KV cache: float32, bfloat16, float16, or fp8 (e4m3 with a float32 scale per
-    block and KV head, a power of two); defaults to the model dtype."""
+    block and KV head, a power of two); defaults to float16 for a GGUF file's blocks (as llama.cpp),
+    else to the model dtype."""
     kv_layout: str = "NHD"
     """Axis order of stored K/V per layer: NHD = [slots, heads, dim], HND = [heads, slots, dim]."""
     state_checkpoint_interval: int | None = None
@@ -80,10 +81,13 @@ class CacheConfig:
     state_checkpoint_fraction: float = 0.25
     """Recurrent layers: the share of the KV budget (after running requests' state) for checkpoints."""
 
-    def kv_torch_dtype_name(self, model_dtype: str) -> str:
+    def kv_torch_dtype_name(self, model_dtype: str, gguf_blocks: bool = False) -> str:
+        """The configured KV dtype's torch name; unset: float16 for a model whose linears run on
+        GGUF blocks (llama.cpp's default: half of float32's bytes, which decode reads at every
+        step), else the model's dtype."""
         if self.kv_cache_dtype in FP8_KV_DTYPES:
             return "float8_e4m3fn"
-        return self.kv_cache_dtype or model_dtype
+        return self.kv_cache_dtype or ("float16" if gguf_blocks else model_dtype)
 
     def checkpoint_interval(self) -> int:
         return self.state_checkpoint_interval or -(-256 // self.block_size) * self.block_size

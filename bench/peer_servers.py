@@ -25,10 +25,11 @@ MAX_MODEL_LEN = {"smollm2-135m": 8192, "gemma3-270m": 10240}
 ONE_B = ("llama-1.1b-q4_k_m", "llama-1.1b-q4_0", "llama-1.1b-q8_0")  # bench/llama_1b.py makes them
 MAX_MODEL_LEN.update({name: 4096 for name in ONE_B})
 # KV pools: llama-server's holds LLAMA_CPP_KV_TOKENS positions (f16) shared by its slots; baton's
-# budget holds as many in float32 in every layer (layers x 2 x kv heads x head dim x 4 bytes each)
+# budget holds as many in every layer (layers x 2 x kv heads x head dim values each), in float16
+# for a GGUF file (baton's default there, as llama.cpp's) and float32 for the float32 weights
 LLAMA_CPP_KV_TOKENS = 16384
-KV_BYTES_PER_TOKEN = {"smollm2-135m": 30 * 2 * 3 * 64 * 4, "gemma3-270m": 18 * 2 * 1 * 256 * 4}
-KV_BYTES_PER_TOKEN.update({name: 16 * 2 * 8 * 64 * 4 for name in ONE_B})
+KV_VALUES_PER_TOKEN = {"smollm2-135m": 30 * 2 * 3 * 64, "gemma3-270m": 18 * 2 * 1 * 256}
+KV_VALUES_PER_TOKEN.update({name: 16 * 2 * 8 * 64 for name in ONE_B})
 # inherited variables that change how a server computes or allocates: printed with the settings when set
 RELEVANT_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LD_PRELOAD", "BATON_", "VLLM_", "LLAMA_", "GGML_")
 
@@ -129,9 +130,11 @@ def start_server(
     if peer == "baton":
         cmd = [sys.executable, "-m", "baton.cli", "serve", "--model", str(weights), "--served-model-name", model]
         cmd += ["--port", str(port), "--max-model-len", max_len]
-        cmd += ["--kv-cache-memory-bytes", str(LLAMA_CPP_KV_TOKENS * KV_BYTES_PER_TOKEN[model])]
+        kv_dtype, kv_bytes = ("float16", 2) if weights.suffix == ".gguf" else ("float32", 4)
+        cmd += ["--kv-cache-memory-bytes", str(LLAMA_CPP_KV_TOKENS * KV_VALUES_PER_TOKEN[model] * kv_bytes)]
         env, timeout = {"BATON_LOG_LEVEL": "WARNING"}, 300
-        note = f"compute threads: torch's default, one per core, unbound; KV: {LLAMA_CPP_KV_TOKENS} positions, float32"
+        note = "compute threads: torch's default, one per core, unbound; "
+        note += f"KV: {LLAMA_CPP_KV_TOKENS} positions, {kv_dtype}"
     elif peer == "vllm":
         cmd = [str(vllm_python(cache)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights)]
         cmd += ["--served-model-name", model, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32"]

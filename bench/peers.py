@@ -73,12 +73,16 @@ GGUF_TARGETS = {  # set on both packaged files
     ("128in/128out c32", "output tok/s"): {"llama.cpp": 1.3},
     ("2000in/32out c1", "median TTFT ms"): {"llama.cpp": 1.0},
 }
+ONE_B_TARGETS = {("128in/64out c1", "median TTFT ms"): {"llama.cpp": 1.0}}  # beside GGUF_TARGETS
 RSS_TARGET = {("any", "peak RSS MiB"): {"llama.cpp": 1.2}}  # set on every row
+FLOOR_TARGET = 1.3  # the 1B class: c1 TPOT at most this many times the bytes-read floor
+# SmolLM2's file: the 8,000-token prompt's TTFT and the TPOT after it, at most these times llama.cpp's
+LONG_TARGETS = {"smollm2-135m": {"TTFT": 0.5, "TPOT": 1.0}}
 
 
 def targets(model: str, weights: str) -> dict:
     if weights == "gguf":
-        return {**GGUF_TARGETS, **RSS_TARGET}
+        return {**GGUF_TARGETS, **(ONE_B_TARGETS if model in FILES else {}), **RSS_TARGET}
     return {**F32_TARGETS, **RSS_TARGET} if model == "smollm2-135m" else RSS_TARGET
 
 
@@ -108,15 +112,18 @@ def ratio_line(label: str, vals: dict[str, float], others: list[str], higher: bo
     return "".join(parts)
 
 
-def run_rounds(model: str, servers: list[Server], repeats: int, scratch: Path) -> dict[tuple[str, str], list[dict]]:
+def run_rounds(
+    model: str, servers: list[Server], repeats: int, scratch: Path, prompts_scale: float = 1.0
+) -> dict[tuple[str, str], list[dict]]:
     results: dict[tuple[str, str], list[dict]] = {}
     for repeat in range(repeats):
         for i, w in enumerate(WORKLOADS):
             # fresh prompts for every workload and repeat: every peer caches prefixes, and a prompt a
             # server saw before would be a cache hit; each server gets the same prompts
             seed = 100 * repeat + i
+            prompts = max(w[4], round(w[1] * prompts_scale))
             for s in servers:  # the same workload on each server in turn, never two at once
-                r = run_bench(s.url, model, *w[1:], seed=seed, out=scratch / "run.json")
+                r = run_bench(s.url, model, prompts, *w[2:], seed=seed, out=scratch / "run.json")
                 results.setdefault((w[0], s.peer), []).append(r)
                 print(
                     f"[{model} {w[0]} #{repeat + 1}] {s.peer}: output {r['output_throughput']:.1f} tok/s, "
@@ -127,13 +134,18 @@ def run_rounds(model: str, servers: list[Server], repeats: int, scratch: Path) -
     return results
 
 
-def long_prompt_rows(model: str, servers: list[Server], scratch: Path) -> dict[str, tuple[float, float, float]]:
+def long_prompt_rows(model: str, servers: list[Server], scratch: Path) -> dict[str, tuple[float, float, float, float]]:
+    """Per server: median TTFT and TPOT of the 8,000-token prompts, peak RSS before and after."""
     rows = {}
     for s in servers:
         before = peak_rss_mib(s.proc.pid)
         r = run_bench(s.url, model, *LONG_PROMPT[1:], seed=999, out=scratch / "run.json")
-        rows[s.peer] = (r["ttft_ms"]["median"], before, peak_rss_mib(s.proc.pid))
-        print(f"[{model} {LONG_PROMPT[0]}] {s.peer}: median TTFT {rows[s.peer][0]:.0f} ms", flush=True)
+        rows[s.peer] = (r["ttft_ms"]["median"], r["tpot_ms"]["median"], before, peak_rss_mib(s.proc.pid))
+        print(
+            f"[{model} {LONG_PROMPT[0]}] {s.peer}: median TTFT {rows[s.peer][0]:.0f} ms, "
+            f"median TPOT {rows[s.peer][1]:.1f} ms",
+            flush=True,
+        )
     return rows
 
 
@@ -145,6 +157,7 @@ def table(
     goals: dict,
     read_bytes: int,
     bandwidth: float,
+    floor_target: float | None = None,
 ) -> list[str]:
     peers = [s.peer for s in servers]
     others = [p for p in peers if p != "baton"]
@@ -167,20 +180,33 @@ def table(
             lines.append(line + ratio_line(label, vals, others, higher, goals.get((w[0], label))))
     line = f"{'peak RSS MiB':<34}" + "".join(f"{rss[p]:>11.0f}" for p in peers)
     lines.append(line + ratio_line("peak RSS MiB", rss, others, False, goals.get(("any", "peak RSS MiB"))))
-    c1 = {p: statistics.median(r["tpot_ms"]["median"] for r in results[("128in/64out c1", p)]) for p in peers}
-    lines.append(f"{'c1 TPOT / floor':<34}" + "".join(f"{c1[p] / floor_ms:>11.2f}" for p in peers))
+    if ("128in/64out c1", peers[0]) in results:
+        c1 = {p: statistics.median(r["tpot_ms"]["median"] for r in results[("128in/64out c1", p)]) for p in peers}
+        line = f"{'c1 TPOT / floor':<34}" + "".join(f"{c1[p] / floor_ms:>11.2f}" for p in peers)
+        if floor_target and "baton" in c1:
+            met = c1["baton"] / floor_ms <= floor_target
+            line += f"{'':>{8 * len(others)}}  <={floor_target}x the floor: {'met' if met else 'MISSED'}"
+        lines.append(line)
     return lines
 
 
 def run_set(
-    model: str, weights: str, peers: list[str], repeats: int, cfg: TextModelConfig, read_bytes: int, bandwidth: float
+    model: str,
+    weights: str,
+    peers: list[str],
+    repeats: int,
+    cfg: TextModelConfig,
+    read_bytes: int,
+    bandwidth: float,
+    prompts_scale: float = 1.0,
+    long_prompt: bool = True,
 ) -> str:
     """One model on one kind of weights: start its servers, run the rounds, stop them; the table."""
     cache = EnvSettings.read().cache_dir
     scratch = cache / "peers" / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
     servers: list[Server] = []
-    long_rows: dict[str, tuple[float, float, float]] = {}
+    long_rows: dict[str, tuple[float, float, float, float]] = {}
     try:
         for peer in peers:
             log = scratch / f"{peer}-{model}-{weights}.log"
@@ -192,25 +218,33 @@ def run_set(
             print(f"{model} {weights}: {peer} up at {servers[-1].url}", flush=True)
         if not servers:
             return f"{model} {weights}: no server started"
-        if MAX_MODEL_LEN[model] >= LONG_PROMPT[2] + LONG_PROMPT[3]:
+        if long_prompt and MAX_MODEL_LEN[model] >= LONG_PROMPT[2] + LONG_PROMPT[3]:
             long_rows = long_prompt_rows(model, servers, scratch)
-        results = run_rounds(model, servers, repeats, scratch)
+        results = run_rounds(model, servers, repeats, scratch, prompts_scale)
         rss = {s.peer: peak_rss_mib(s.proc.pid) for s in servers}
     finally:
         stop_servers(servers)
     source = model_path(model).name
     kind = f"float32 (from {source})" if weights == "f32" else f"{source} as shipped"
     title = f"{model} {kind}, {CORES} cores each; medians of {repeats} run(s)"
-    lines = table(title, servers, results, rss, targets(model, weights), read_bytes, bandwidth)
+    floor_target = FLOOR_TARGET if model in FILES else None
+    lines = table(title, servers, results, rss, targets(model, weights), read_bytes, bandwidth, floor_target)
     if long_rows:
         tokens = LONG_PROMPT[2] + LONG_PROMPT[3]
-        kv = kv_read_bytes(cfg, tokens) / 2**20
+        kv = kv_read_bytes(cfg, tokens, 2 if weights == "gguf" else 4) / 2**20
         lines.append(
-            f"{LONG_PROMPT[0]}: median TTFT ms / peak RSS MiB before -> after "
-            f"(float32 KV of {tokens:,} tokens: {kv:.0f} MiB)"
+            f"{LONG_PROMPT[0]}: median TTFT ms, median TPOT ms (decoding at ~8K context), peak RSS MiB before -> "
+            f"after ({'float16' if weights == 'gguf' else 'float32'} KV of {tokens:,} tokens: {kv:.0f} MiB)"
         )
-        for peer, (ttft, before, after) in long_rows.items():
-            lines.append(f"  {peer:<10}{ttft:>10.0f} ms   {before:>7.0f} -> {after:>7.0f} MiB (+{after - before:.0f})")
+        for peer, (ttft, tpot, before, after) in long_rows.items():
+            rss = f"{before:>7.0f} -> {after:>7.0f} MiB (+{after - before:.0f})"
+            lines.append(f"  {peer:<10}{ttft:>10.0f} ms {tpot:>8.1f} ms   {rss}")
+        goal = LONG_TARGETS.get(model) if weights == "gguf" else None
+        if goal and "baton" in long_rows and "llama.cpp" in long_rows:
+            for i, figure in enumerate(("TTFT", "TPOT")):
+                r = long_rows["baton"][i] / long_rows["llama.cpp"][i]
+                met = "met" if r <= goal[figure] else "MISSED"
+                lines.append(f"  {figure} baton / llama.cpp {r:.2f}: <={goal[figure]}x llama.cpp: {met}")
     lines.append("settings (variables set over the inherited environment, then the command)")
     lines += [s.settings() for s in servers]
     lines.append(f"  inherited by all: {inherited_env() or 'none of the relevant variables set'}")
@@ -237,6 +271,13 @@ def main() -> None:
     ap.add_argument("--peers", nargs="+", default=["baton", "vllm", "llama.cpp"], choices=PEERS["f32"])
     names = [w[0] for w in WORKLOADS]
     ap.add_argument("--workloads", nargs="+", default=names, choices=names, help="default: all")
+    ap.add_argument(
+        "--prompts-scale",
+        type=float,
+        default=1.0,
+        help="the 1B class: each workload's prompt count times this (at least its concurrency)",
+    )
+    ap.add_argument("--no-long-prompt", action="store_true", help="skip the 8,000-token row")
     args = ap.parse_args()
     WORKLOADS[:] = [w for w in WORKLOADS if w[0] in args.workloads]
     kinds = ["f32", "gguf"] if args.weights == "both" else [args.weights]
@@ -253,7 +294,9 @@ def main() -> None:
         for weights in kinds if model not in FILES else ["gguf"]:
             peers = [p for p in args.peers if p in PEERS[weights]]
             read_bytes = as_f32 if weights == "f32" else stored
-            tables.append(run_set(model, weights, peers, repeats, cfg, read_bytes, bandwidth))
+            scale = args.prompts_scale if model in FILES else 1.0
+            long_prompt = not args.no_long_prompt
+            tables.append(run_set(model, weights, peers, repeats, cfg, read_bytes, bandwidth, scale, long_prompt))
             print("\n" + tables[-1] + "\n", flush=True)
     print(f"baton {baton_commit()}; read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
     print("\n\n".join(tables))

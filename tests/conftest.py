@@ -58,17 +58,21 @@ def gemma3() -> LLM:
     return LLM("gemma3-270m", progress=False)
 
 
-# The float GGUF kernel computes with the gguf package's float32 weights bit for bit, as the
-# transformers reference does; the default int8 kernel quantizes activations (its fidelity is
-# bench/quant_quality.py's KL, its invariances tests/test_batching.py's).
+# The float GGUF kernel and a float32 KV cache compute with the gguf package's float32 weights bit
+# for bit, as the transformers reference does; the defaults (int8 kernel, float16 KV, as llama.cpp)
+# quantize activations and KV (their fidelity is bench/quant_quality.py's KL, their invariances
+# tests/test_batching.py's).
+FLOAT = dict(quant_kernel="float", kv_cache_dtype="float32")
+
+
 @pytest.fixture(scope="session")
 def smollm2_float() -> LLM:
-    return LLM("smollm2-135m", progress=False, quant_kernel="float")
+    return LLM("smollm2-135m", progress=False, **FLOAT)
 
 
 @pytest.fixture(scope="session")
 def gemma3_float() -> LLM:
-    return LLM("gemma3-270m", progress=False, quant_kernel="float")
+    return LLM("gemma3-270m", progress=False, **FLOAT)
 
 
 @pytest.fixture(scope="session")

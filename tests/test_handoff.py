@@ -139,7 +139,7 @@ def _corrupt_cases():
     def shift_full_start(h, body):  # a full group's tensors starting at 3, consistently re-described
         for e in h["tensors"]:
             t = wire.tensor_from_bytes(
-                memoryview(body)[e["offset"] : e["offset"] + e["nbytes"]], torch.float32, e["shape"]
+                memoryview(body)[e["offset"] : e["offset"] + e["nbytes"]], getattr(torch, e["dtype"]), e["shape"]
             )
             e["start"] = 3
             e["shape"][1] -= 3
@@ -258,7 +258,7 @@ def test_truncated_frame_and_sliding_coverage(gemma3, gemma3_decode):
             if len(e["layer_ids"]) != 15:
                 continue
             t = wire.tensor_from_bytes(
-                memoryview(body)[e["offset"] : e["offset"] + e["nbytes"]], torch.float32, e["shape"]
+                memoryview(body)[e["offset"] : e["offset"] + e["nbytes"]], getattr(torch, e["dtype"]), e["shape"]
             )
             raw = wire.tensor_bytes(t[:, 100:])
             e["start"] += 100
@@ -304,7 +304,7 @@ def test_wire_round_trip_is_exact(smollm2):
     secret = smollm2.engine.handoff.secret
     header, body = wire.read_header(blob, secret)
     tensors = [
-        wire.tensor_from_bytes(body[e["offset"] : e["offset"] + e["nbytes"]], torch.float32, e["shape"])
+        wire.tensor_from_bytes(body[e["offset"] : e["offset"] + e["nbytes"]], getattr(torch, e["dtype"]), e["shape"])
         for e in header["tensors"]
     ]
     assert wire.encode(wire.build_span(header, tensors), secret) == blob
@@ -340,7 +340,9 @@ def dense_tensors(blob: bytes, secret: bytes) -> tuple[dict, dict[str, torch.Ten
     header, body = wire.read_header(blob, secret)
     out = {}
     for e in header["tensors"]:
-        t = wire.tensor_from_bytes(body[e["offset"] : e["offset"] + e["nbytes"]], torch.float32, e["shape"])
+        t = wire.tensor_from_bytes(
+            body[e["offset"] : e["offset"] + e["nbytes"]], getattr(torch, e["dtype"]), e["shape"]
+        )
         out[e["kind"]] = to_layout(t, header["layout"], AXES)
     return header, out
 

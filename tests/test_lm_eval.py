@@ -52,7 +52,8 @@ def _lm_eval(model: str, model_args: str, out: Path) -> dict[int, list[float]]:
 def test_lm_eval_local_completions_matches_hf(tmp_path):
     ref_dir = export_hf_dir("smollm2-135m")
     expected = _lm_eval("hf", f"pretrained={ref_dir},dtype=float32", tmp_path / "hf")
-    server = ServerProcess("--quant-kernel", "float")  # transformers runs the dequantized float32 weights
+    # transformers runs the dequantized float32 weights
+    server = ServerProcess("--quant-kernel", "float", "--kv-cache-dtype", "float32")
     try:
         got = _lm_eval(
             "local-completions",

@@ -175,7 +175,11 @@ def tiny_decoder(num_blocks=6, block_size=4):
     qkv, o = panels((heads + 2 * kv_heads) * dim, hidden), panels(hidden, heads * dim)
     gate_up, down = panels(2 * inner, hidden), panels(hidden, inner)
     norm = torch.ones(hidden)
-    decoder.add_layer(norm, norm, None, None, None, None, qkv, None, o, None, gate_up, down, k_cache, v_cache, 0, 0)
+    qkv_rows = [(heads + 2 * kv_heads) * dim]
+    decoder.add_layer(
+        norm, norm, None, None, None, None, [qkv], qkv_rows, None, o, None, [gate_up], [2 * inner], down,
+        k_cache, v_cache, 0, 0,
+    )  # fmt: skip
     return decoder, k_cache, v_cache
 
 
@@ -263,8 +267,9 @@ def long_fused_decode_step():
 
     decoder = ops().FusedDecoder(heads, kv_heads, dim, hidden, inner, 1e-6, 0.0, 0.125, False, torch.ones(hidden))
     k_cache, v_cache = torch.zeros(rows * 16, kv_heads, dim), torch.zeros(rows * 16, kv_heads, dim)
-    layer = (panels((heads + 2 * kv_heads) * dim, hidden), None, panels(hidden, heads * dim), None)
-    mlp = (panels(2 * inner, hidden), panels(hidden, inner))
+    layer = ([panels((heads + 2 * kv_heads) * dim, hidden)], [(heads + 2 * kv_heads) * dim], None)
+    layer += (panels(hidden, heads * dim), None)
+    mlp = ([panels(2 * inner, hidden)], [2 * inner], panels(hidden, inner))
     norm = torch.ones(hidden)
     for _ in range(8):
         decoder.add_layer(norm, norm, None, None, None, None, *layer, *mlp, k_cache, v_cache, 0, 0)

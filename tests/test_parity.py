@@ -1,5 +1,5 @@
 """Acceptance 1: greedy tokens identical to transformers `generate`, prefill logits within 1e-4 (the
-float GGUF kernel: transformers runs the dequantized float32 weights)."""
+float GGUF kernel and float32 KV: transformers runs the dequantized float32 weights)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from baton import SamplingParams
-from tests.conftest import PROMPTS
+from tests.conftest import FLOAT, PROMPTS
 
 NUM_TOKENS = 48
 
@@ -46,7 +46,7 @@ def test_gemma3_block_sizes(gemma3_ref, block_size):
     """A block size that divides nothing gives the same tokens."""
     from baton import LLM
 
-    llm = LLM("gemma3-270m", progress=False, block_size=block_size, max_num_batched_tokens=256, quant_kernel="float")
+    llm = LLM("gemma3-270m", progress=False, block_size=block_size, max_num_batched_tokens=256, **FLOAT)
     ids = llm.get_tokenizer().encode(PROMPTS[6])
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     with torch.no_grad():

@@ -15,7 +15,7 @@ from baton.engine.faults import Faults
 from baton.engine.grammar import StructuredOutputs
 from baton.engine.input_processor import InputProcessor, Prompt
 from baton.engine.kv_handoff import KVHandoff
-from baton.engine.model_setup import load_rank_model
+from baton.engine.model_setup import kv_cache_dtype, load_rank_model
 from baton.engine.output_processor import OutputProcessor, record_prompt_logprobs, request_output
 from baton.engine.request import Request
 from baton.engine.runner import ModelOutput, ModelRunner
@@ -58,7 +58,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(loaded.path, config.env.cache_dir, config.model.tokenizer)
         cache, sched = config.cache, config.scheduler
         mc = self.model_config
-        kv_dtype = getattr(torch, cache.kv_torch_dtype_name(config.model.torch_dtype_name))
+        kv_dtype = kv_cache_dtype(config, rank_model)
         spec = config.speculative
         stage = rank_model.stage
         memory = build_cache_memory(

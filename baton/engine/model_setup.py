@@ -51,3 +51,9 @@ def load_rank_model(config: EngineConfig, tp: TPGroup, rank: int = 0, progress: 
         logger.info("%s: %s", loaded.path.name, describe_linears(model))
     model.fused_decode = config.model.fused_decode and model.fused_decode  # the model may lack it
     return RankModel(model, loaded, local, stage)
+
+
+def kv_cache_dtype(config: EngineConfig, rank_model: RankModel) -> torch.dtype:
+    """The dtype of the KV cache every rank allocates (CacheConfig.kv_torch_dtype_name)."""
+    gguf_blocks = config.model.keep_gguf_blocks and rank_model.loaded.path.suffix == ".gguf"
+    return getattr(torch, config.cache.kv_torch_dtype_name(config.model.torch_dtype_name, gguf_blocks))

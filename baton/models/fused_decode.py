@@ -63,8 +63,9 @@ class FusedDecoder:
 
     @staticmethod
     def supports(model: torch.nn.Module, storage: KVStorage) -> bool:
-        """Packed float32 linears and a float32 or fp8 KV cache; otherwise the module path runs."""
-        return storage.dtype in (torch.float32, FP8) and all(
+        """Packed float32 linears and a float32, float16, bfloat16 or fp8 KV cache; otherwise the
+        module path runs."""
+        return storage.dtype in (torch.float32, torch.float16, torch.bfloat16, FP8) and all(
             isinstance(getattr(getattr(layer, "self_attn", None), "qkv_proj", None), (PackedLinear, StackedLinear))
             for layer in model.layers
         )

@@ -5,6 +5,7 @@
 // the Python path calls, in the same order, so a row's bits are the same on either path.
 #include "all_reduce_hook.h"
 #include "ops.h"
+#include "step_common.h"
 
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>  // Tensor <-> Python for the bindings below
@@ -33,20 +34,6 @@ struct DecodeLayer {
   c10::optional<torch::Tensor> k_scale, v_scale;  // an fp8 cache's scales, [blocks, kv heads]
   int64_t rope = 0, group = 0;     // which cos/sin pair and which KV group's metadata it reads
 };
-
-// cache[slots[t], h] = src[t, h] for src [rows, kv heads, dim] (any strides but the last)
-void write_kv(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots) {
-  const int64_t rows = src.size(0), heads = src.size(1), bytes = src.size(2) * sizeof(float);
-  const int64_t num_slots = cache.size(0);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const float* s = src.data_ptr<float>();
-  float* c = cache.data_ptr<float>();
-  for (int64_t t = 0; t < rows; ++t) {
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the KV cache's ", num_slots, " slots");
-    for (int64_t h = 0; h < heads; ++h)
-      std::memcpy(c + slot[t] * cache.stride(0) + h * cache.stride(1), s + t * src.stride(0) + h * src.stride(1), bytes);
-  }
-}
 
 // The parts of a step that profiling times, and their names in profile()
 enum Part { kNorms, kLinears, kAttention, kAllReduce, kNumParts };
@@ -92,8 +79,10 @@ class FusedDecoder {
                  torch::Tensor k_cache, torch::Tensor v_cache, int64_t rope, int64_t group,
                  c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
     const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-    TORCH_CHECK((k_cache.scalar_type() == at::kFloat || fp8) && v_cache.scalar_type() == k_cache.scalar_type(),
-                "KV cache must be float32 or fp8 (float8_e4m3fn)");
+    const auto kv_type = k_cache.scalar_type();
+    TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16 || fp8) &&
+                    v_cache.scalar_type() == kv_type,
+                "KV cache must be float32, float16, bfloat16 or fp8 (float8_e4m3fn)");
     TORCH_CHECK(k_scale.has_value() == fp8 && v_scale.has_value() == fp8, "an fp8 KV cache, and only one, has scales");
     TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(), "KV cache must be on the CPU");
     TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == num_kv_heads_ && k_cache.size(2) == head_dim_ &&

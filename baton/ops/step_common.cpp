@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 
 void check_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.defined() && t.scalar_type() == at::kFloat && t.device().is_cpu(), name,
@@ -113,12 +114,34 @@ void snapshot_states(torch::Tensor& conv_ckpt, torch::Tensor& rec_ckpt, const to
   }
 }
 
-void write_kv(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots) {
-  const int64_t rows = src.size(0), heads = src.size(1), bytes = src.size(2) * sizeof(float);
+namespace {
+
+template <class T>
+void write_kv_rows(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots) {
+  const int64_t rows = src.size(0), heads = src.size(1), dim = src.size(2);
+  const int64_t num_slots = cache.size(0);
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* s = src.data_ptr<float>();
-  float* c = cache.data_ptr<float>();
-  for (int64_t t = 0; t < rows; ++t)
-    for (int64_t h = 0; h < heads; ++h)
-      std::memcpy(c + slot[t] * cache.stride(0) + h * cache.stride(1), s + t * src.stride(0) + h * src.stride(1), bytes);
+  T* c = cache.data_ptr<T>();
+  for (int64_t t = 0; t < rows; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the KV cache's ", num_slots, " slots");
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* from = s + t * src.stride(0) + h * src.stride(1);
+      T* to = c + slot[t] * cache.stride(0) + h * cache.stride(1);
+      if constexpr (std::is_same_v<T, float>)
+        std::memcpy(to, from, dim * sizeof(float));
+      else
+        for (int64_t i = 0; i < dim; ++i) to[i] = static_cast<T>(from[i]);
+    }
+  }
+}
+
+}  // namespace
+
+void write_kv(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots) {
+  switch (cache.scalar_type()) {
+    case at::kHalf: return write_kv_rows<at::Half>(src, cache, slots);
+    case at::kBFloat16: return write_kv_rows<at::BFloat16>(src, cache, slots);
+    default: return write_kv_rows<float>(src, cache, slots);
+  }
 }

@@ -45,7 +45,9 @@ void snapshot_states(torch::Tensor& conv_ckpt, torch::Tensor& rec_ckpt, const to
                      const std::vector<int64_t>& snapshot_rows, const std::vector<int64_t>& snapshot_offsets,
                      const std::vector<int64_t>& snapshot_ids, int64_t offset);
 
-// cache[slots[t], h] = src[t, h] for src [rows, kv heads, dim] (any strides but the last)
+// cache[slots[t], h] = src[t, h] for src [rows, kv heads, dim] (any strides but the last), converted
+// to a float16 / bfloat16 cache's dtype as torch's copy_ converts (round to nearest even); throws
+// on a slot outside the cache
 void write_kv(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots);
 
 // One channel of a depthwise causal conv for one new input x over its window (the K-1 inputs

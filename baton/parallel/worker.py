@@ -16,7 +16,7 @@ from functools import partial
 import torch
 
 from baton.config import EngineConfig
-from baton.engine.model_setup import load_rank_model
+from baton.engine.model_setup import kv_cache_dtype, load_rank_model
 from baton.engine.runner import forward_step
 from baton.handoff.transfer import read_group, write_group
 from baton.kv.spec import KVSpec
@@ -49,7 +49,7 @@ def run_rank(config: EngineConfig, rank: int) -> None:
     sizes = messages.broadcast(None)
     assert sizes["op"] == "caches"
     spec = KVSpec.build(local.layer_kinds, local.num_kv_heads, local.head_dim, config.cache.block_size)
-    kv_dtype = getattr(torch, config.cache.kv_torch_dtype_name(config.model.torch_dtype_name))
+    kv_dtype = kv_cache_dtype(config, rank_model)
     layers = rank_model.stage.layers if rank_model.stage else None  # a pipeline stage keeps only its own
     storage = KVStorage(spec, sizes["num_blocks"], kv_dtype, sizes["kv_layout"], layers=layers)
     states = StateStorage(
