@@ -244,9 +244,13 @@ class GGUFCache:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
         if self.gguf is None:
             with safe_open(self.file, framework="pt") as st:
-                for name in st.keys():
+                names = list(st.keys())
+            for name in names:
+                # the file mapped for one tensor at a time: a mapping's pages count in the process's
+                # resident memory until it is closed, and the whole file's would, beside their copies
+                with safe_open(self.file, framework="pt") as st:
                     tensor = st.get_tensor(name)
-                    yield name, BlockTensor(self._blocks[name], tensor) if name in self._blocks else tensor
+                yield name, BlockTensor(self._blocks[name], tensor) if name in self._blocks else tensor
             return
         kept, blocks = {}, {}
         for name, tensor in self.gguf.tensors(self.keep_blocks):
