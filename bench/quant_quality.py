@@ -2,7 +2,7 @@
 for llama.cpp's `llama-perplexity --kl-divergence`, on the same file and text, side by side.
 
     python bench/quant_quality.py [--model smollm2-135m] [--text /usr/share/common-licenses/GPL-3]
-        [--ctx 512] [--chunks 8] [--quantization q4_k | --kv-cache-dtype fp8]
+        [--ctx 512] [--chunks 8] [--quantization q4_k | --kv-cache-dtype fp8] [--quantized-kv-cache-dtype float32]
 
 The text is cut into chunks of --ctx tokens, each starting with BOS, and (as llama-perplexity
 does) the second half of each chunk is scored: mean KL(float32 || quantized), top-1 agreement and
@@ -109,17 +109,28 @@ def main() -> None:
         default=None,
         help="compare this KV dtype (fp8, bfloat16, ...) against float32 KV, both on the weights as shipped",
     )
+    ap.add_argument(
+        "--quantized-kv-cache-dtype",
+        default=None,
+        help="the quantized model's KV dtype (default: the engine's, float16 for a GGUF file's blocks)",
+    )
     ap.add_argument("--no-llama-cpp", action="store_true")
     args = ap.parse_args()
     text = Path(args.text).read_text()
     if args.kv_cache_dtype:
-        ref_args, test_args = {}, {"kv_cache_dtype": args.kv_cache_dtype}
+        ref_args, test_args = {"kv_cache_dtype": "float32"}, {"kv_cache_dtype": args.kv_cache_dtype}
     else:
         ref_args, test_args = {"dtype": "float32"}, {"quantization": args.quantization}
+        if args.quantized_kv_cache_dtype:
+            test_args["kv_cache_dtype"] = args.quantized_kv_cache_dtype
     rows = {"baton": baton_figures(args.model, ref_args, test_args, text, args.ctx, args.chunks)}
     if not args.no_llama_cpp and args.quantization is None and args.kv_cache_dtype is None:
         rows["llama.cpp"] = llama_cpp_figures(args.model, Path(args.text), args.ctx, args.chunks)
+    from baton.ops import quant_kernel
+
+    kv = test_args.get("kv_cache_dtype", "the engine's default")
     print(f"{args.model}, {Path(args.text).name}, {args.chunks} chunks of {args.ctx}, second halves scored")
+    print(f"baton's quantized model: kernel {quant_kernel()}, KV {kv}; llama.cpp: its defaults (f16 KV)")
     names = list(rows["baton"])
     print(f"{'':<11}" + "".join(f"{n:>20}" for n in names))
     for who, figures in rows.items():
