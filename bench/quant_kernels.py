@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from limits import read_gbs  # noqa: E402
 
-from baton.models.gguf_blocks import BLOCK_FORMATS  # noqa: E402
-from baton.ops import packed_linear, regroup_blocks, set_quant_kernel  # noqa: E402
+from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor  # noqa: E402
+from baton.ops import packed_linear, set_quant_kernel  # noqa: E402
 
 LAYERS = 16
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
@@ -43,6 +43,13 @@ def blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor
     if qtype in ("Q4_K", "Q5_K", "Q4_1", "Q5_1"):
         raw[..., 2:4] = scale
     return torch.from_numpy(raw)
+
+
+def int8_weight(qtype: str, shipped: torch.Tensor) -> torch.Tensor:
+    """The blocks as loading lays them out for the integer kernels: regrouped, K in its parts."""
+    t = BlockTensor(qtype, shipped)
+    t.regroup()
+    return t.kernel_weight()
 
 
 def token_ms(weights: list[tuple[torch.Tensor, int, int]], rows: int, repeats: int) -> float:
@@ -75,7 +82,7 @@ def main() -> None:
         weights = [(blocks(qtype, n, k, rng), n, k) for _ in range(LAYERS) for n, k in SHAPES.values()]
         weights.append((head, *LM_HEAD))
         nbytes = sum(w.numel() for w, _, _ in weights)
-        layouts = {"float": weights, "int8": [(regroup_blocks(w), n, k) for w, n, k in weights]}  # as loading does
+        layouts = {"float": weights, "int8": [(int8_weight(qtype, w), n, k) for w, n, k in weights]}
         for rows in args.rows:
             ms = {}
             for kernel in ("float", "int8"):
@@ -86,7 +93,7 @@ def main() -> None:
                 f"{qtype:<6} {rows:>5} {ms['float']:>9.1f} {ms['int8']:>8.1f} {ms['int8'] / ms['float']:>10.2f} "
                 f"{nbytes / ms['int8'] / 1e6:>6.1f} {floor:>8.1f} {ms['int8'] / floor:>10.2f}"
             )
-    set_quant_kernel("float")
+    set_quant_kernel("int8")
 
 
 if __name__ == "__main__":

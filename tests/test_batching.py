@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from baton import LLM, SamplingParams
 from baton.models.fused_decode import FusedDecoder
@@ -86,11 +87,11 @@ def test_preemption_completes_with_same_outputs(smollm2):
     assert cached.engine.kv.all_free()
 
 
-def test_int8_kernel_tokens_hold_across_batching_chunking_prefix_hits_and_preemption(monkeypatch):
-    """The integer GGUF kernels (BATON_QUANT_KERNEL=int8): a row's bits independent of its batch
-    in the linears and the attention, so greedy tokens are too."""
-    monkeypatch.setenv("BATON_QUANT_KERNEL", "int8")
+def test_int8_kernel_tokens_hold_across_batching_chunking_prefix_hits_and_preemption():
+    """The integer GGUF kernels (the default) on the default float16 KV: a row's bits independent
+    of its batch in the linears and the attention, so greedy tokens are too."""
     llm = LLM("smollm2-135m", progress=False)
+    assert llm.engine.storage.dtype == torch.float16
     from baton.ops import quant_kernel
 
     assert quant_kernel().startswith("int8-")

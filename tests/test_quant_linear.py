@@ -412,3 +412,25 @@ def test_quantization_at_load_matches_the_dequantized_reference(tmp_path, monkey
 
 def qtype_values(qtype) -> int:
     return gguf.GGML_QUANT_SIZES[qtype][0]
+
+
+def test_a_fused_projection_with_parts_in_formats_baton_does_not_read_is_whole():
+    """Q3_K_M-like: q and k arrive dequantized (a format the kernels do not read), v in Q8_0 blocks;
+    after loading, the fused qkv's rows hold all three, v dequantized into its rows."""
+    from baton.models.llama import LlamaForCausalLM
+    from baton.models.model_config import parse_hf_config
+
+    hf = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(parse_hf_config(hf, "LlamaForCausalLM"))
+    model = model.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(64, 64, generator=g), torch.randn(32, 64, generator=g)
+    v = BlockTensor.from_rows("Q8_0", quantize_matrix(torch.randn(32, 64, generator=g), QUANT_TYPES["q8_0"]))
+    model.load_weight("model.layers.0.self_attn.q_proj.weight", q)
+    model.load_weight("model.layers.0.self_attn.v_proj.weight", v)
+    model.load_weight("model.layers.0.self_attn.k_proj.weight", k)
+    model.finish_loading()
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(qkv, torch.cat([q, k, v.dequantize()])) and not model.block_weights

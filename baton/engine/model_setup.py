@@ -30,10 +30,12 @@ class RankModel:
 def load_rank_model(config: EngineConfig, tp: TPGroup, rank: int = 0, progress: bool = True) -> RankModel:
     dtype = getattr(torch, config.model.torch_dtype_name)
     keep_blocks = config.model.keep_gguf_blocks
-    if keep_blocks:
-        from baton.ops import set_quant_kernel
+    if keep_blocks or config.model.quantization is not None:
+        from baton.ops import ops, set_quant_kernel
 
-        set_quant_kernel(config.model.quant_kernel or config.env.quant_kernel)
+        kernel = config.model.quant_kernel or config.env.quant_kernel
+        if ops().QUANT_KERNELS:  # else no kernel reads blocks: PackedLinear.from_blocks says so if any ships
+            set_quant_kernel(kernel)
     loaded = load_model(config.model.model, dtype, config.env.cache_dir, progress=progress, keep_blocks=keep_blocks)
     model, local = loaded.model, loaded.config
     stage = None

@@ -221,6 +221,20 @@ class LlamaForCausalLM(nn.Module):
             return
         self.get_parameter(name).data.copy_(tensor)
 
+    def finish_loading(self) -> None:
+        """After the last tensor: a fused projection whose other parts came as float tensors (formats
+        baton's kernels do not read, dequantized at load, as Q3_K_M's Q3_K q and k beside a Q5_K v)
+        waits for parts that never come; its parts in blocks are dequantized into their rows of the
+        float parameter."""
+        for target, parts in self._block_parts.items():
+            fused = next(f for f in self._UNFUSED if target.endswith(f"{f}.weight"))
+            rows, param = self._shard_rows(fused), self.get_parameter(target)
+            for shard, part in enumerate(parts):
+                if part is not None:
+                    start = sum(rows[:shard])
+                    param.data[start : start + rows[shard]].copy_(part.dequantize())
+        self._block_parts.clear()
+
     def _gather_blocks(self, name: str, parts: list[BlockTensor]) -> None:
         """A fused projection's parts, in their formats (stack_rows)."""
         self.block_weights[name] = stack_rows(parts)

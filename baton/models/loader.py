@@ -303,6 +303,8 @@ def load_model(
     for name, tensor in tqdm(tensors, total=len(header), desc=f"loading {path.name}", disable=not progress):
         if name in expected:
             net.load_weight(name, tensor)
+    if hasattr(net, "finish_loading"):
+        net.finish_loading()
     net.eval()
     return LoadedModel(net, cfg, path, source, weights_content_sha256(source, cache_dir))
 

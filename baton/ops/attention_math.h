@@ -71,9 +71,10 @@ inline const float* as_float(const cache_t* row, float* buf, int64_t d, float sc
   } else {  // float16 / bfloat16: exact in float, converted 8 at a time (c10's scalar casts are slow)
     int64_t i = 0;
 #if defined(__AVX2__) && defined(__F16C__)
-    for (; i + 8 <= d; i += 8) {
+    constexpr bool kHalf = std::is_same_v<cache_t, at::Half>, kBF16 = std::is_same_v<cache_t, at::BFloat16>;
+    for (; (kHalf || kBF16) && i + 8 <= d; i += 8) {
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
-      if constexpr (std::is_same_v<cache_t, at::Half>)
+      if constexpr (kHalf)
         _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(v));
       else
         _mm256_storeu_ps(buf + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));

@@ -114,8 +114,9 @@ const Isa* best_isa() {
 
 std::atomic<const Isa*> g_isa{nullptr};  // null: the float path (quant_linear.cpp)
 
-// x's rows quantized per block of `per` values (32 or 256): codes, scales, and per 32 values the
-// codes' sum (K formats) or the scale times it (32-value formats)
+// x's rows quantized per block of `per` values (32 or 256): codes, scales, the codes' sum per 32
+// values (bsum) and, for the K formats, per 16 (bsum16); for the 32-value formats also the scale
+// times the sum (s)
 struct QuantizedX {
   std::vector<int8_t> q;
   std::vector<float> d, s;

@@ -7,7 +7,8 @@
 // A block's codes of the 8 rows (regrouped at load, lane r holding row r's 4 bytes of a group of 4
 // values) are unpacked once and meet each row of x as broadcast 4-byte groups: each lane sums one output's block in
 // integers, exactly (the instruction sets differ only in how they reach the same int32), then takes
-// one scale product and one fused add per block, in block order, in its own lane. So the
+// one scale product and one fused add per block, in block order within each of K's parts, the
+// parts' sums added as a balanced tree (dot8_parts), in its own lane. So the
 // instruction sets give the same bits, and an output's bits depend neither on R nor on which rows
 // share its group: decode and prefill rows come out the same.
 //

@@ -64,7 +64,9 @@ class TPGroup:
         """Sum x over the ranks, in place (the row-parallel projections' partial sums), as a balanced
         tree in rank order ((r0 + r1) + (r2 + r3), ...): the order in which one rank adds the K parts
         of an integer-kernel linear (gguf_blocks.BlockTensor.k_parts), so the sum has its bits. Two
-        ranks: one all-reduce (a + b either way round); more: an all-gather, then the tree."""
+        ranks: one all-reduce (a + b either way round); more: an all-gather, then the tree (every
+        rank holds all ranks' tensors for a moment and sends n - 1 times its own, against a ring's
+        2 (n - 1) / n: the price of one rank's bits)."""
         if self.size == 1:
             return x
         start = time.perf_counter()
