@@ -167,10 +167,13 @@ def test_int8_kernel_matches_the_formats_spec(qtype, int8_kernel):
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
-def test_every_instruction_set_gives_the_same_bits(qtype):
+@pytest.mark.parametrize("n", [20, 40])
+def test_every_instruction_set_gives_the_same_bits(qtype, n):
+    """AVX-512 takes two groups of 8 outputs a call (16 lanes) and an odd group out alone: 20 outputs
+    are a pair and a group of 4, 40 two pairs and a whole group; with a bias on every lane."""
     g = torch.Generator().manual_seed(0)
-    t = BlockTensor.from_rows(qtype, random_blocks(qtype, 20, 1024, seed=2))
-    x = torch.randn(7, 1024, generator=g)
+    t = BlockTensor.from_rows(qtype, random_blocks(qtype, n, 1024, seed=2))
+    x, bias = torch.randn(7, 1024, generator=g), torch.randn(n, generator=g)
     results = {}
     before = quant_kernel()
     try:
@@ -179,7 +182,7 @@ def test_every_instruction_set_gives_the_same_bits(qtype):
                 set_quant_kernel(name)
             except RuntimeError:
                 continue
-            results[name] = packed_linear(x, weights(t), None, 20)
+            results[name] = packed_linear(x, weights(t), bias, n)
     finally:
         set_quant_kernel(before)
     assert "int8-avx2" in results

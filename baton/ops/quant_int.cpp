@@ -2,9 +2,9 @@
 // Q8_0 / Q8_K do but with float32 scales (int8 codes round(x / d) to nearest even, d = max |x| /
 // 127 per 32 values for the 32-value formats, per 256 for the K formats), and the dot products in
 // integers (quant_int_kernels.h): VNNI where the CPU has it, maddubs + madd on AVX2, chosen at run
-// time (set_quant_kernel). Each thread takes a run of groups of 8 output rows; a group's blocks are
-// unpacked once for every 4 rows of x. A row's bits depend neither on the other rows nor on the
-// instruction set.
+// time (set_quant_kernel). Each thread takes a run of groups of 8 output rows (with AVX-512, two
+// groups a call, 16 lanes); a group's blocks are unpacked once for every 4 rows of x. A row's bits
+// depend neither on the other rows nor on the instruction set.
 #include "quant_linear.h"
 
 #include "cpu_vec.h"
@@ -82,29 +82,34 @@ namespace {
 constexpr int64_t kRows = 4;                      // rows of x per pass over a group of weight rows
 constexpr int64_t kRowBlockBytes = 256 * 1024;    // quantized x rows a pass keeps in L2
 
-constexpr int64_t kGroup = 8;                     // output rows of a kernel call, one per lane
+constexpr int64_t kGroup = 8;                     // output rows of a group, one per lane
 
-using DotRows = void (*)(int64_t, const uint8_t*, int64_t, int64_t, const XRows&, float*, int64_t, int64_t,
+// (block bytes, the group's blocks, the next group's `gs` bytes on, blocks, K parts, x, y, y's row
+// stride, outputs, bias)
+using DotRows = void (*)(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const XRows&, float*, int64_t, int64_t,
                          const float*);
 
 struct Isa {
   const char* name;
   bool (*supported)();
-  DotRows rows[kRows];  // rows[R - 1]: R rows at once
+  DotRows rows[kRows];  // rows[R - 1]: R rows of x against a group
+  DotRows pairs[kRows];  // the same against two groups side by side (16 lanes), or null
 };
 
-#define BATON_ISA(ns) {&ns::dot8_rows<1>, &ns::dot8_rows<2>, &ns::dot8_rows<3>, &ns::dot8_rows<4>}
+#define BATON_ROWS(ns, I) {&ns::dot_rows<1, I>, &ns::dot_rows<2, I>, &ns::dot_rows<3, I>, &ns::dot_rows<4, I>}
 const Isa kIsas[] = {
 #ifdef BATON_VNNI_TARGETS
     {"avx512_vnni",
      [] { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                  __builtin_cpu_supports("avx512bw"); },
-     BATON_ISA(isa_avx512_vnni)},
-    {"avx_vnni", [] { return static_cast<bool>(__builtin_cpu_supports("avxvnni")); }, BATON_ISA(isa_avx_vnni)},
+     BATON_ROWS(isa_avx512_vnni, __m256i), BATON_ROWS(isa_avx512_vnni, __m512i)},
+    {"avx_vnni", [] { return static_cast<bool>(__builtin_cpu_supports("avxvnni")); }, BATON_ROWS(isa_avx_vnni, __m256i),
+     {}},
 #endif
-    {"avx2", [] { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }, BATON_ISA(isa_avx2)},
+    {"avx2", [] { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }, BATON_ROWS(isa_avx2, __m256i),
+     {}},
 };
-#undef BATON_ISA
+#undef BATON_ROWS
 
 const Isa* best_isa() {
   for (const Isa& isa : kIsas)
@@ -269,16 +274,20 @@ torch::Tensor quant_int_linear(const torch::Tensor& x, const torch::Tensor& weig
   float* yp = y.data_ptr<float>();
   const Isa* chosen = g_isa.load();
   const Isa& isa = chosen ? *chosen : *best_isa();  // a weight regrouped before the float kernel was chosen
-  const int64_t tail = n_dim - (groups - 1) * kGroup;  // outputs of the last group
-  std::vector<float> tail_bias(kGroup, 0.f);
-  for (int64_t i = 0; bias && i < tail; ++i) tail_bias[i] = bias[(groups - 1) * kGroup + i];
+  std::vector<float> padded_bias;  // a lane's bias for every lane of the last group
+  if (bias != nullptr && n_dim % kGroup != 0) {
+    padded_bias.assign(groups * kGroup, 0.f);
+    std::copy(bias, bias + n_dim, padded_bias.begin());
+    bias = padded_bias.data();
+  }
+  const int64_t span = isa.pairs[0] ? 2 : 1;  // groups a kernel call takes (the last may take one)
   const int64_t block_rows = std::max<int64_t>(kRows, kRowBlockBytes / k_dim / kRows * kRows);
   for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
     const int64_t r1 = std::min(rows, r0 + block_rows);
-    at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t outputs = g == groups - 1 ? tail : kGroup;
-        const float* b = bias == nullptr ? nullptr : outputs < kGroup ? tail_bias.data() : bias + g * kGroup;
+    at::parallel_for(0, (groups + span - 1) / span, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin * span; g < std::min(groups, end * span); g += span) {
+        const int64_t take = std::min(span, groups - g), outputs = std::min(n_dim - g * kGroup, take * kGroup);
+        const float* b = bias == nullptr ? nullptr : bias + g * kGroup;
         for (int64_t r = r0; r < r1; r += kRows) {
           const int64_t count = std::min(kRows, r1 - r);
           const XRows xr{qx.q.data() + r * k_dim,
@@ -288,8 +297,8 @@ torch::Tensor quant_int_linear(const torch::Tensor& x, const torch::Tensor& weig
                          per == 256 ? qx.bsum16.data() + r * k_dim / 16 : nullptr,
                          k_dim,
                          nd};
-          isa.rows[count - 1](block_bytes, wp + g * group_bytes, blocks, parts, xr, yp + r * n_dim + g * kGroup, n_dim,
-                              outputs, b);
+          (take == 2 ? isa.pairs : isa.rows)[count - 1](block_bytes, wp + g * group_bytes, group_bytes, blocks, parts, xr,
+                                                        yp + r * n_dim + g * kGroup, n_dim, outputs, b);
         }
       }
     });
