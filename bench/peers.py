@@ -16,9 +16,10 @@ with llama.cpp's converter and quantizer) has gguf rows only.
 Every round runs each workload on every server of the set in turn, `--repeats` rounds; the
 tables show medians, the ratios of baton to each peer, whether the issue's targets hold, each
 server's peak resident memory (its process tree's VmHWM), and the weights one decode token reads
-with the floor that sets on TPOT at the read bandwidth bench/limits.py measures at the start of
-the run. Each table ends with every server's settings: the variables set over the inherited
-environment and the command line. For a model whose context allows it (SmolLM2, Gemma3), a first row
+with the floor that sets on c1 TPOT at the read bandwidth bench/limits.py measures just before
+each round's c1 row (the machine's speed drifts; each round meets its own floor). Each table
+ends with every server's settings: the variables set over the inherited environment and the
+command line. For a model whose context allows it (SmolLM2, Gemma3), a first row
 sends 8,000-token prompts to each fresh server: TTFT, and how much the server's peak resident
 memory grew with them next to the KV those tokens need.
 """
@@ -52,6 +53,7 @@ WORKLOADS = [  # (name, prompts, input, output, concurrency)
     ("128in/128out c32", 64, 128, 128, 32),
 ]
 LONG_PROMPT = ("8000in/16out c1", 2, 8000, 16, 1)
+C1 = "128in/64out c1"  # the row whose TPOT meets the bytes-read floor
 FIGURES = [  # (label, key, stat, higher is better)
     ("median TTFT ms", "ttft_ms", "median", False),
     ("median TPOT ms", "tpot_ms", "median", False),
@@ -114,10 +116,15 @@ def ratio_line(label: str, vals: dict[str, float], others: list[str], higher: bo
 
 def run_rounds(
     model: str, servers: list[Server], repeats: int, scratch: Path, prompts_scale: float = 1.0
-) -> dict[tuple[str, str], list[dict]]:
+) -> tuple[dict[tuple[str, str], list[dict]], list[float]]:
+    """The results of every workload on every server, and the read bandwidth measured just before
+    each round's c1 workload (the machine's speed drifts: each round's TPOT meets its own floor)."""
     results: dict[tuple[str, str], list[dict]] = {}
+    bandwidths: list[float] = []
     for repeat in range(repeats):
         for i, w in enumerate(WORKLOADS):
+            if w[0] == C1:
+                bandwidths.append(read_gbs() * 1e9)
             # fresh prompts for every workload and repeat: every peer caches prefixes, and a prompt a
             # server saw before would be a cache hit; each server gets the same prompts
             seed = 100 * repeat + i
@@ -131,7 +138,7 @@ def run_rounds(
                     f"median TTFT {r['ttft_ms']['median']:.1f} ms, failed {r['failed']}",
                     flush=True,
                 )
-    return results
+    return results, bandwidths
 
 
 def long_prompt_rows(model: str, servers: list[Server], scratch: Path) -> dict[str, tuple[float, float, float, float]]:
@@ -156,17 +163,19 @@ def table(
     rss: dict[str, float],
     goals: dict,
     read_bytes: int,
-    bandwidth: float,
+    bandwidths: list[float],
     floor_target: float | None = None,
 ) -> list[str]:
     peers = [s.peer for s in servers]
     others = [p for p in peers if p != "baton"]
-    floor_ms = read_bytes / bandwidth * 1e3
     lines = [title]
-    lines.append(
-        f"weights read per decode token: {read_bytes / 1e6:.0f} MB; at {bandwidth / 1e9:.1f} GB/s "
-        f"(bench/limits.py read_gbs, this run) the c1 TPOT floor is {floor_ms:.1f} ms"
-    )
+    if bandwidths:
+        gbs = ", ".join(f"{b / 1e9:.1f}" for b in bandwidths)
+        floor_ms = read_bytes / statistics.median(bandwidths) * 1e3
+        lines.append(
+            f"weights read per decode token: {read_bytes / 1e6:.0f} MB; read bandwidth before each round's c1 "
+            f"row {gbs} GB/s (bench/limits.py read_gbs): a c1 TPOT floor of {floor_ms:.1f} ms at their median"
+        )
     lines.append(
         f"{'workload':<18}{'figure':<16}"
         + "".join(f"{p:>11}" for p in peers)
@@ -180,11 +189,17 @@ def table(
             lines.append(line + ratio_line(label, vals, others, higher, goals.get((w[0], label))))
     line = f"{'peak RSS MiB':<34}" + "".join(f"{rss[p]:>11.0f}" for p in peers)
     lines.append(line + ratio_line("peak RSS MiB", rss, others, False, goals.get(("any", "peak RSS MiB"))))
-    if ("128in/64out c1", peers[0]) in results:
-        c1 = {p: statistics.median(r["tpot_ms"]["median"] for r in results[("128in/64out c1", p)]) for p in peers}
-        line = f"{'c1 TPOT / floor':<34}" + "".join(f"{c1[p] / floor_ms:>11.2f}" for p in peers)
+    if (C1, peers[0]) in results and bandwidths:
+        # each round's TPOT over the floor at the bandwidth read just before it; the median of those
+        c1 = {
+            p: statistics.median(
+                r["tpot_ms"]["median"] * bw / read_bytes / 1e3 for r, bw in zip(results[(C1, p)], bandwidths)
+            )
+            for p in peers
+        }
+        line = f"{'c1 TPOT / floor':<34}" + "".join(f"{c1[p]:>11.2f}" for p in peers)
         if floor_target and "baton" in c1:
-            met = c1["baton"] / floor_ms <= floor_target
+            met = c1["baton"] <= floor_target
             line += f"{'':>{8 * len(others)}}  <={floor_target}x the floor: {'met' if met else 'MISSED'}"
         lines.append(line)
     return lines
@@ -197,7 +212,6 @@ def run_set(
     repeats: int,
     cfg: TextModelConfig,
     read_bytes: int,
-    bandwidth: float,
     prompts_scale: float = 1.0,
     long_prompt: bool = True,
 ) -> str:
@@ -220,7 +234,7 @@ def run_set(
             return f"{model} {weights}: no server started"
         if long_prompt and MAX_MODEL_LEN[model] >= LONG_PROMPT[2] + LONG_PROMPT[3]:
             long_rows = long_prompt_rows(model, servers, scratch)
-        results = run_rounds(model, servers, repeats, scratch, prompts_scale)
+        results, bandwidths = run_rounds(model, servers, repeats, scratch, prompts_scale)
         rss = {s.peer: peak_rss_mib(s.proc.pid) for s in servers}
     finally:
         stop_servers(servers)
@@ -228,7 +242,7 @@ def run_set(
     kind = f"float32 (from {source})" if weights == "f32" else f"{source} as shipped"
     title = f"{model} {kind}, {CORES} cores each; medians of {repeats} run(s)"
     floor_target = FLOOR_TARGET if model in FILES else None
-    lines = table(title, servers, results, rss, targets(model, weights), read_bytes, bandwidth, floor_target)
+    lines = table(title, servers, results, rss, targets(model, weights), read_bytes, bandwidths, floor_target)
     if long_rows:
         tokens = LONG_PROMPT[2] + LONG_PROMPT[3]
         kv = kv_read_bytes(cfg, tokens, 2 if weights == "gguf" else 4) / 2**20
@@ -296,7 +310,7 @@ def main() -> None:
             read_bytes = as_f32 if weights == "f32" else stored
             scale = args.prompts_scale if model in FILES else 1.0
             long_prompt = not args.no_long_prompt
-            tables.append(run_set(model, weights, peers, repeats, cfg, read_bytes, bandwidth, scale, long_prompt))
+            tables.append(run_set(model, weights, peers, repeats, cfg, read_bytes, scale, long_prompt))
             print("\n" + tables[-1] + "\n", flush=True)
     print(f"baton {baton_commit()}; read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
     print("\n\n".join(tables))

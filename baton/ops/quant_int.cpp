@@ -1,6 +1,6 @@
 // The integer path of quant_linear (quant_linear.h): x quantized per row first, as llama.cpp's
-// Q8_0 / Q8_K do but with float32 scales (int8 codes round(x / d) to nearest even, d = max |x| /
-// 127 per 32 values for the 32-value formats, per 256 for the K formats), and the dot products in
+// Q8_0 / Q8_K do but with float32 scales (int8 codes round(x / d) to nearest even; d = max |x| / 127
+// per 32 values for the 32-value formats, -max / 128 per 256 for the K formats), and the dot products in
 // integers (quant_int_kernels.h): VNNI where the CPU has it, maddubs + madd on AVX2, chosen at run
 // time (set_quant_kernel). Each thread takes a run of groups of 8 output rows (with AVX-512, two
 // groups a call, 16 lanes); a group's blocks are unpacked once for every 4 rows of x. A row's bits
@@ -132,19 +132,24 @@ void quantize_row(const float* x, int64_t k, int64_t per, int8_t* q, float* d, f
                   int16_t* bsum16) {
   for (int64_t b = 0; b * per < k; ++b) {
     const float* xb = x + b * per;
-    float amax = 0.f;
+    float amax = 0.f, vmax = 0.f;  // the largest |x| and the first value that has it
     bool finite = true;
     for (int64_t i = 0; i < per; ++i) {
-      amax = std::max(amax, std::fabs(xb[i]));
+      const float ax = std::fabs(xb[i]);
+      if (ax > amax) amax = ax, vmax = xb[i];
       finite &= std::isfinite(xb[i]);
     }
-    const float scale = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
-    const float inv = finite && amax > 0.f ? 1.f / scale : 0.f;  // NaN scale, zero codes: the row is NaN
+    // 32 values: d = max |x| / 127; 256 (Q8_K's rule): the largest value's code is -128, so d = -max / 128
+    // (signed) and the other sign's codes stop at 127. Non-finite x: a NaN scale and zero codes (the row is NaN).
+    float inv = !finite || amax == 0.f ? 0.f : per == 32 ? 1.f / (amax / 127.f) : -128.f / vmax;
+    if (!std::isfinite(inv)) inv = 0.f;  // |x| < ~1e-36: zero codes (nothing such values add survives beside others)
+    const float scale = !finite ? std::numeric_limits<float>::quiet_NaN() : per == 32 ? amax / 127.f
+                                                                          : inv == 0.f ? 0.f : 1.f / inv;
     d[b] = scale;
     for (int64_t c = 0; c < per; c += 32) {
       int sum = 0;
       for (int64_t i = c; i < c + 32; ++i) {
-        const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+        const int v = std::min(127, static_cast<int>(std::nearbyint(xb[i] * inv)));
         q[b * per + i] = static_cast<int8_t>(v);
         sum += v;
       }
