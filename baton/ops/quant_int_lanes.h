@@ -18,7 +18,7 @@ inline void prefetch_block(const uint8_t* blk, int64_t bytes, int64_t ahead) {
 }
 
 // The vector types of I (integer lanes) and F (float lanes): loads of regrouped blocks (one group
-// at p; with 16 lanes a second `gs` bytes on), constants, stores.
+// at p; with 16 lanes a second `gs` bytes on) and constants.
 template <class I>
 struct Lanes;
 
@@ -43,7 +43,6 @@ struct Lanes<__m256i> {
   static __m256 floats(float v) { return _mm256_set1_ps(v); }
   static __m256 fzero() { return _mm256_setzero_ps(); }
   static __m256 loadf(const float* p) { return _mm256_loadu_ps(p); }
-  static void storef(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 };
 
 inline __m256i vand(__m256i a, __m256i b) { return _mm256_and_si256(a, b); }
@@ -102,7 +101,6 @@ struct Lanes<__m512i> {
   static __m512 floats(float v) { return _mm512_set1_ps(v); }
   static __m512 fzero() { return _mm512_setzero_ps(); }
   static __m512 loadf(const float* p) { return _mm512_loadu_ps(p); }
-  static void storef(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 };
 
 inline __m512i vand(__m512i a, __m512i b) { return _mm512_and_si512(a, b); }
