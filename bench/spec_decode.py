@@ -16,7 +16,8 @@ Servers, each computing on the same 2 cores:
 All servers start first; every round then runs each workload on every server in turn, never two
 at once (greedy, ignore_eos, streamed, fresh prompts each round); the table shows medians of the
 rounds and the median of each round's ratio of a speculating server to its own without drafts.
-Then a c8 workload whose prompts share a long system prompt: baton's prefix-cache hit tokens with
+Every speculating server's greedy texts are compared, request by request, with the same engine's
+without drafts. Then a c8 workload whose prompts share a long system prompt: baton's prefix-cache hit tokens with
 each method against none. Each baton server's acceptance per draft position comes
 from its /metrics (baton_spec_decode_*); llama-server's from the acceptance lines it logs.
 """
@@ -129,6 +130,7 @@ async def run_prompts(url: str, prompts: list[list[int]], output_len: int, concu
         "tpot_ms": _stats(tpot)["median"],
         "ttft_ms": _stats([r.ttft for r in ok])["median"],
         "failed": len(results) - len(ok),
+        "texts": [r.text if r.ok else None for r in results],
     }
 
 
@@ -314,6 +316,21 @@ def main() -> None:
                 goal = goals.get((name, label), 1.0)
                 line += f"  target >= {goal}x: {'met' if ratio >= goal else 'MISSED'}"
             print(line)
+    print("\ngreedy outputs against the same server without drafts, request by request (every round)")
+    for label in labels:
+        base_label = label.split(" ")[0]
+        if " " not in label or base_label not in labels:
+            continue
+        pairs = [
+            (a, b)
+            for (name, lab), runs in results.items()
+            if lab == label
+            for run, base in zip(runs, results[(name, base_label)])
+            for a, b in zip(run["texts"], base["texts"])
+            if a is not None and b is not None
+        ]
+        same = sum(a == b for a, b in pairs)
+        print(f"  {label:<18}{same} of {len(pairs)} identical{'' if same == len(pairs) else ': DIFFER'}")
     print("\nacceptance (over all rounds)")
     for label in labels:
         print(f"  {label:<18}{notes.get(label, '')}")

@@ -26,6 +26,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str = ""
+    text: str = ""  # the streamed text, joined
 
 
 def random_prompts(n: int, input_len: int, seed: int, low: int = 1000, high: int = 10000) -> list[list[int]]:
@@ -64,6 +65,7 @@ async def one_request(
                     result.output_tokens = chunk["usage"].get("completion_tokens", 0)
                 choices = chunk.get("choices") or []
                 if choices and choices[0].get("text"):
+                    result.text += choices[0]["text"]
                     now = time.perf_counter()
                     if result.ttft == 0.0:
                         result.ttft = now - start
