@@ -17,8 +17,8 @@ All servers start first; every round then runs each workload on every server in 
 at once (greedy, ignore_eos, streamed, fresh prompts each round); the table shows medians of the
 rounds and the median of each round's ratio of a speculating server to its own without drafts.
 Every speculating server's greedy texts are compared, request by request, with the same engine's
-without drafts. Then a c8 workload whose prompts share a long system prompt: baton's prefix-cache hit tokens with
-each method against none. Each baton server's acceptance per draft position comes
+without drafts. Then a c8 workload whose prompts share a long system prompt: baton's prefix-cache
+hit tokens with each method against none. Each baton server's acceptance per draft position comes
 from its /metrics (baton_spec_decode_*); llama-server's from the acceptance lines it logs.
 """
 
