@@ -9,7 +9,7 @@ import torch
 
 from baton import SamplingParams
 from baton.engine.request import Request
-from baton.engine.sampler import _apply_filters, _apply_penalties, sample
+from baton.engine.sampler import _apply_filters, _apply_penalties, _argmax_rows, sample
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -30,6 +30,23 @@ def test_filters_match_hand_computation():
     assert finite(_apply_filters(logits, [_req(SamplingParams(min_p=0.2))])) == [True, True, False, False]
     shuffled = torch.tensor([[0.0, 2.0, -1.0, 1.0]])  # filtering follows values, not positions
     assert finite(_apply_filters(shuffled, [_req(SamplingParams(top_k=2))])) == [False, True, False, True]
+
+
+def test_row_argmax_matches_torch_with_ties_infinities_and_nans():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 300, generator=g)
+    x[1] = float("-inf")  # nothing allowed: dead
+    x[2, 7] = x[2, 9] = 50.0  # a tie: the first
+    x[3, 11] = float("nan")  # a NaN wins, as in torch.argmax
+    x[4] = float("nan")
+    x[5, 3] = x[5, 8] = float("inf")
+    x[6] = float("-inf")
+    x[6, 5] = float("nan")  # no finite value: dead
+    x[7] = float("-inf")
+    x[7, 299] = -1e30  # one finite value, the last
+    chosen, dead = _argmax_rows(x)
+    assert chosen.tolist() == x.argmax(dim=1).tolist()
+    assert dead == (~torch.isfinite(x).any(dim=1)).tolist()
 
 
 def test_penalties_match_hand_computation():

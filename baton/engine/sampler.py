@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from baton.engine.grammar import StepMasks, apply_token_bitmask_
@@ -40,6 +41,20 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, n: int) -> list[P
         entry.setdefault(int(chosen[i]), Logprob(float(chosen_lp[i]), int(ranks[i])))
         out.append(entry)
     return out
+
+
+def _argmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+    """Per row of x [rows, vocab]: the index of its first largest value (of its first NaN, as
+    torch.argmax), and whether the row has no finite value. numpy's row reductions: at a 49K
+    vocabulary torch's argmax and isfinite().any() took 0.36 ms at one row and 8.4 ms at 32 rows,
+    numpy's 0.01 and 0.9 ms."""
+    a = x.detach().numpy()
+    chosen = a.argmax(axis=1)
+    best = a[np.arange(a.shape[0]), chosen]
+    dead = (best == -np.inf).tolist()
+    for i in np.flatnonzero(~np.isfinite(best) & (best != -np.inf)):  # +inf or NaN: look at the row
+        dead[i] = not bool(np.isfinite(a[i]).any())
+    return torch.from_numpy(chosen), dead
 
 
 def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -163,8 +178,7 @@ def sample(
     if any(r.params.uses_penalties for r in reqs):
         _apply_penalties(logits, reqs)
     _apply_constraints(logits, reqs, offsets)
-    dead = (~torch.isfinite(logits).any(dim=1)).tolist()
-    chosen = logits.argmax(dim=1)
+    chosen, dead = _argmax_rows(logits)
     random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy and not dead[i]]
     if random_rows:
         idx = torch.tensor(random_rows)
@@ -179,7 +193,7 @@ def sample(
         noise = torch.empty_like(probs)
         for j, (i, r) in enumerate(zip(random_rows, sub)):
             noise[j].exponential_(generator=noise_generator(r, r.num_output_tokens + offsets[i]))
-        chosen[idx] = (probs / noise).argmax(dim=1)
+        chosen[idx] = _argmax_rows(probs / noise)[0]
     sampled_lp = [0.0] * len(reqs)
     position_logprobs: list[PositionLogprobs | None] = [None] * len(reqs)
     if raw_logprobs is not None:

@@ -16,7 +16,7 @@
 namespace paged_attn {
 
 constexpr int64_t kVecLanes = Vec::size();
-constexpr int64_t kAccumulators = kVecLanes == 16 ? 12 : 8;  // vectors a kernel keeps summing at once (of 32 or 16)
+constexpr int64_t kAccumulators = kVecLanes == 16 ? 16 : 8;  // vectors a kernel keeps summing at once (of 32 or 16)
 // acc = acc * scale + w * v
 inline void scale_axpy(float* acc, float scale, float w, const float* v, int64_t d) {
   const Vec vs(scale), vw(w);
@@ -59,6 +59,51 @@ inline void prefetch_rows(const cache_t* k, const cache_t* v, int64_t k_stride, 
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// 16 values of a float32, float16 or bfloat16 cache row as float (exact)
+template <typename cache_t>
+inline __m512 load16(const cache_t* p) {
+  if constexpr (std::is_same_v<cache_t, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<cache_t, at::Half>)
+      return _mm512_cvtph_ps(v);
+    else
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+  }
+}
+
+// dst[j * ld_dst + r] = src[r * ld_src + j] as float for r, j < 16: loaded, converted and
+// transposed in registers (torch's transpose_mxn takes its sizes at run time and goes through memory)
+template <typename cache_t>
+inline void transpose16(const cache_t* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+  __m512 a[16], b[16];
+  for (int r = 0; r < 16; ++r) a[r] = load16(src + r * ld_src);
+  for (int i = 0; i < 8; ++i) {
+    b[2 * i] = _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+    b[2 * i + 1] = _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d b0 = _mm512_castps_pd(b[4 * i]), b1 = _mm512_castps_pd(b[4 * i + 1]);
+    const __m512d b2 = _mm512_castps_pd(b[4 * i + 2]), b3 = _mm512_castps_pd(b[4 * i + 3]);
+    a[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(b0, b2));
+    a[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(b0, b2));
+    a[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b1, b3));
+    a[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b1, b3));
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int k = 0; k < 4; ++k) {
+      b[8 * i + k] = _mm512_shuffle_f32x4(a[8 * i + k], a[8 * i + k + 4], 0x88);
+      b[8 * i + k + 4] = _mm512_shuffle_f32x4(a[8 * i + k], a[8 * i + k + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    _mm512_storeu_ps(dst + j * ld_dst, _mm512_shuffle_f32x4(b[j], b[8 + j], 0x88));
+    _mm512_storeu_ps(dst + (j + 8) * ld_dst, _mm512_shuffle_f32x4(b[j], b[8 + j], 0xdd));
+  }
+}
+#endif
+
 // A cache row as float: the row itself for a float32 cache, else converted into buf (an fp8
 // cache's codes, uint8, times the scale of their block and head).
 template <typename cache_t>
@@ -70,6 +115,9 @@ inline const float* as_float(const cache_t* row, float* buf, int64_t d, float sc
     return buf;
   } else {  // float16 / bfloat16: exact in float, converted 8 at a time (c10's scalar casts are slow)
     int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(buf + i, load16(row + i));
+#endif
 #if defined(__AVX2__) && defined(__F16C__)
     constexpr bool kHalf = std::is_same_v<cache_t, at::Half>, kBF16 = std::is_same_v<cache_t, at::BFloat16>;
     for (; (kHalf || kBF16) && i + 8 <= d; i += 8) {
@@ -122,10 +170,10 @@ inline void block_scores(const float* const* q, float* const* out, int64_t n, co
     score_vectors<U, C>(qs, k, ld, d, os); \
     break;
       if (cs == 4) {
-        switch (us) { BATON_SCORES(1, 4) BATON_SCORES(2, 4) BATON_SCORES(3, 4) }
+        switch (us) { BATON_SCORES(1, 4) BATON_SCORES(2, 4) BATON_SCORES(3, 4) BATON_SCORES(4, 4) }
       } else if (cs == 2) {
         switch (us) { BATON_SCORES(1, 2) BATON_SCORES(2, 2) BATON_SCORES(3, 2) BATON_SCORES(4, 2)
-                      BATON_SCORES(5, 2) BATON_SCORES(6, 2) }
+                      BATON_SCORES(5, 2) BATON_SCORES(6, 2) BATON_SCORES(7, 2) BATON_SCORES(8, 2) }
       } else {
         switch (us) {
           BATON_SCORES(1, 1) BATON_SCORES(2, 1) BATON_SCORES(3, 1) BATON_SCORES(4, 1)
@@ -162,7 +210,10 @@ inline void block_values(float* const* acc, const float* correction, const float
   for (; i + 4 * kVecLanes <= d; i += 4 * kVecLanes) {
     for (int64_t u = 0; u < heads;) {
       const int64_t us = std::min<int64_t>(kAccumulators / 4, heads - u);
-      if (us >= 3) {
+      if (us >= 4) {
+        values_vectors<4, 4>(acc + u, correction + u, w + u, v, n, i);
+        u += 4;
+      } else if (us >= 3) {
         values_vectors<3, 4>(acc + u, correction + u, w + u, v, n, i);
         u += 3;
       } else if (us >= 2) {
@@ -211,6 +262,26 @@ inline void transpose(const float* src, int64_t ld_src, float* dst, int64_t ld_d
   for (; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) dst[j * ld_dst + i] = src[i * ld_src + j];
 #endif
+}
+
+// dst[j * ld_dst + r] = row r's value j as float for r < m, j < n, the rows src + r * ld_src of a
+// float32, float16 or bfloat16 cache (buf: room for m * n floats, where rows convert first)
+template <typename cache_t>
+inline void transpose_keys(const cache_t* src, int64_t ld_src, float* dst, int64_t ld_dst, int64_t m, int64_t n,
+                           float* buf) {
+  int64_t r = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (n % 16 == 0)
+    for (; r + 16 <= m; r += 16)
+      for (int64_t j = 0; j < n; j += 16) transpose16(src + r * ld_src + j, ld_src, dst + j * ld_dst + r, ld_dst);
+#endif
+  if (r == m) return;
+  if constexpr (std::is_same_v<cache_t, float>) {
+    transpose(src + r * ld_src, ld_src, dst + r, ld_dst, m - r, n);
+  } else {
+    for (int64_t p = r; p < m; ++p) as_float(src + p * ld_src, buf + (p - r) * n, n, 1.f);
+    transpose(buf, n, dst + r, ld_dst, m - r, n);
+  }
 }
 
 // state = the fold of state and part, in that order (the merge of two partitions)

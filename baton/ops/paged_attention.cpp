@@ -79,17 +79,27 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
     tile_rows = std::max(tile_rows, t.rows);
   }
   // A tile of one row (a decode) spreads its partitions over the threads, a long context's
-  // latency at one sequence; their states are folded after. Kv heads go to different items too
-  // when there are fewer tiles than threads; else an item reads whole cache rows, front to back.
+  // latency at one sequence; their states are folded after. An item reads whole cache rows, front
+  // to back (a head's slice of each row alone is a strided read the prefetcher does not follow),
+  // unless there are fewer items than threads: then kv heads go to different items too, in as few
+  // spans as give every thread one.
   const int64_t threads = at::get_num_threads();
-  const int64_t spans = static_cast<int64_t>(tiles.size()) >= threads ? 1 : num_kv_heads;
-  const int64_t span = num_kv_heads / spans;
   std::vector<int64_t> split_base(tiles.size() + 1, 0);  // a split tile's partition states start here
-  std::vector<Item> items;
+  int64_t whole_row_items = 0;
   for (size_t t = 0; t < tiles.size(); ++t) {
     const Tile& tile = tiles[t];
     const bool split = tile.rows == 1 && tile.part1 - tile.part0 > 1;
     split_base[t + 1] = split_base[t] + (split ? tile.part1 - tile.part0 : 0);
+    whole_row_items += split ? tile.part1 - tile.part0 : 1;
+  }
+  int64_t spans = 1;  // a divisor of num_kv_heads
+  while (spans < num_kv_heads && whole_row_items * spans < threads)
+    for (++spans; num_kv_heads % spans != 0;) ++spans;
+  const int64_t span = num_kv_heads / spans;
+  std::vector<Item> items;
+  for (size_t t = 0; t < tiles.size(); ++t) {
+    const Tile& tile = tiles[t];
+    const bool split = split_base[t + 1] > split_base[t];
     for (int64_t s = 0; s < spans; ++s) {
       if (split) {
         for (int64_t k = tile.part0; k < tile.part1; ++k)
@@ -125,14 +135,13 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
     std::vector<float*> score_rows(most), acc_rows(group);
     std::vector<float> correction(group);
     std::vector<int64_t> first(tile_rows), last(tile_rows), active(tile_rows);
+    std::vector<int64_t> win_block(2 * kWindow), win_slot(2 * kWindow);
     for (int64_t taken; (taken = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
       const Item& item = items[order[taken]];
       const Tile& tile = tiles[item.tile];
       const bool split = split_base[item.tile + 1] > split_base[item.tile];
       const int64_t nq = tile.rows * span * group;  // query head (r, h, j) at (r * span + h) * group + j
       const int64_t* blocks = table + tile.seq * max_blocks;
-      // the cache slot of a position of the tile's table row
-      auto slot = [&](int64_t pos) { return blocks[pos / bs] * bs + pos % bs; };
       for (int64_t r = 0; r < tile.rows; ++r)
         for (int64_t h = 0; h < span; ++h)
           for (int64_t j = 0; j < group; ++j) {
@@ -159,19 +168,28 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
           for (int64_t r = 0; r < tile.rows; ++r)
             if (std::max(first[r], w0) < std::min(last[r], w0 + kWindow)) active[n_active++] = r;
           if (n_active == 0) continue;
-          for (int64_t pos = w_hi; pos < std::min(w_hi + kWindow, hi_all); ++pos)  // the next window, ahead of use
+          // the block and cache slot of each position of this window and the next, a division per block
+          const int64_t ahead = std::min(w_hi + kWindow, hi_all);
+          for (int64_t pos = w_lo; pos < ahead;) {
+            const int64_t b = pos / bs, run = std::min(ahead, (b + 1) * bs) - pos;
+            for (int64_t k = 0; k < run; ++k)
+              win_block[pos - w0 + k] = blocks[b], win_slot[pos - w0 + k] = blocks[b] * bs + pos - b * bs + k;
+            pos += run;
+          }
+          for (int64_t pos = w_hi; pos < ahead; ++pos)  // the next window, ahead of use
             for (int64_t h = item.h0; h < item.h0 + span; ++h)
-              prefetch_rows(k_ptr + slot(pos) * ks0 + h * ks1, v_ptr + slot(pos) * vs0 + h * vs1, ks0, vs0, 1, d);
+              prefetch_rows(k_ptr + win_slot[pos - w0] * ks0 + h * ks1, v_ptr + win_slot[pos - w0] * vs0 + h * vs1,
+                            ks0, vs0, 1, d);
           for (int64_t h = 0; h < span; ++h) {
             const int64_t kv_head = item.h0 + h;
             // the window's keys [w_lo, w_hi) of this head transposed, kt[i * kWindow + pos - w0], a
             // run of slots of one block at a time (the lanes of other keys hold what they held:
             // their scores are computed and never read)
             for (int64_t pos = w_lo; pos < w_hi;) {
-              const int64_t run = std::min(w_hi, (pos / bs + 1) * bs) - pos, block = blocks[pos / bs];
-              const cache_t* k_rows = k_ptr + slot(pos) * ks0 + kv_head * ks1;
-              if constexpr (std::is_same_v<cache_t, float>) {
-                transpose(k_rows, ks0, &kt[pos - w0], kWindow, run, d);
+              const int64_t run = std::min(w_hi, (pos / bs + 1) * bs) - pos, block = win_block[pos - w0];
+              const cache_t* k_rows = k_ptr + win_slot[pos - w0] * ks0 + kv_head * ks1;
+              if constexpr (!std::is_same_v<cache_t, uint8_t>) {
+                transpose_keys(k_rows, ks0, &kt[pos - w0], kWindow, run, d, rows_buf.data());
               } else {
                 const float k_scale = k_scales ? k_scales[block * num_kv_heads + kv_head] : 1.f;
                 for (int64_t p = 0; p < run; ++p) as_float(k_rows + p * ks0, &rows_buf[p * d], d, k_scale);
@@ -189,9 +207,9 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
             block_scores(q_rows.data(), score_rows.data(), n, kt.data(), kWindow, (w_lo - w0) / kVecLanes,
                          (w_hi - w0 + kVecLanes - 1) / kVecLanes, d);
             for (int64_t pos = w_lo; pos < w_hi; ++pos) {
-              const float v_scale = v_scales ? v_scales[blocks[pos / bs] * num_kv_heads + kv_head] : 1.f;
+              const float v_scale = v_scales ? v_scales[win_block[pos - w0] * num_kv_heads + kv_head] : 1.f;
               v_rows[pos - w0] =
-                  as_float(v_ptr + slot(pos) * vs0 + kv_head * vs1, &rows_buf[(pos - w0) * d], d, v_scale);
+                  as_float(v_ptr + win_slot[pos - w0] * vs0 + kv_head * vs1, &rows_buf[(pos - w0) * d], d, v_scale);
             }
             // one online-softmax step per kStep positions of the grid, for each row that reads it
             for (int64_t s0 = w0; s0 < w_hi; s0 += kStep) {
