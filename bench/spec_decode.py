@@ -298,7 +298,9 @@ def main() -> None:
         f"k={args.k}; medians of {args.repeats}"
     )
     print(f"{'workload':<10}{'server':<18}{'output tok/s':>14}{'TPOT ms':>10}{'TTFT ms':>10}{'vs off':>8}")
-    goals = {("c1", "baton ngram"): 1.8, ("c1", "baton draft"): 1.4} if args.weights == "gguf" else {}
+    # the goal at c1 on the shipped file: n-gram or suffix at least 1.5x (either meets it); elsewhere no loss
+    goals = {("c1", "baton ngram"): 1.5, ("c1", "baton suffix"): 1.5} if args.weights == "gguf" else {}
+    best_c1 = 0.0
     for name, _, _ in WORKLOADS:
         for label in labels:
             runs = results.get((name, label))
@@ -315,7 +317,11 @@ def main() -> None:
             if ratio is not None and label.startswith("baton"):
                 goal = goals.get((name, label), 1.0)
                 line += f"  target >= {goal}x: {'met' if ratio >= goal else 'MISSED'}"
+                if (name, label) in goals:
+                    best_c1 = max(best_c1, ratio)
             print(line)
+    if goals:
+        print(f"c1, n-gram or suffix >= 1.5x: {'met' if best_c1 >= 1.5 else 'MISSED'} (best {best_c1:.2f}x)")
     print("\ngreedy outputs against the same server without drafts, request by request (every round)")
     for label in labels:
         base_label = label.split(" ")[0]
