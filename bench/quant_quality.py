@@ -4,12 +4,14 @@ for llama.cpp's `llama-perplexity --kl-divergence`, on the same file and text, s
     python bench/quant_quality.py [--model smollm2-135m] [--text /usr/share/common-licenses/GPL-3]
         [--ctx 512] [--chunks 8] [--quantization q4_k | --kv-cache-dtype fp8] [--quantized-kv-cache-dtype float32]
 
-The text is cut into chunks of --ctx tokens, each starting with BOS, and (as llama-perplexity
-does) the second half of each chunk is scored: mean KL(float32 || quantized), top-1 agreement and
-the perplexity of each model. Without --quantization, baton's quantized model is the GGUF file as
-shipped and its float32 model the same file dequantized (`--dtype float32`), so baton's figures
-measure only its kernels; with it, the dequantized weights quantized again at load. llama.cpp's
-float32 model is the F32 GGUF made from the same weights (bench/peer_servers.f32_gguf).
+The text is cut into chunks of --ctx tokens, each starting with BOS, and (as llama-perplexity does)
+the second half of each chunk is scored: mean KL(float32 || quantized), top-1 agreement and the
+perplexity of each model. Beside llama.cpp, baton scores the token ids llama.cpp's own tokenizer
+gives (`llama-tokenize`), so that both score the same positions. Without --quantization, baton's
+quantized model is the GGUF file as shipped and its float32 model the same file dequantized
+(`--dtype float32`), so baton's figures measure only its kernels; with it, the dequantized weights
+quantized again at load. llama.cpp's float32 model is the F32 GGUF made from the same weights
+(bench/peer_servers.f32_gguf).
 With --kv-cache-dtype, both models run the weights as shipped and differ only in the KV cache's
 dtype ("float32" and "quantized" in the table are then the KV's); pick --ctx past the model's
 sliding window (Gemma3's is 512) so that every kind of layer reads quantized K/V.
@@ -18,6 +20,7 @@ sliding window (Gemma3's is 512) so that every kind of layer reads quantized K/V
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import tempfile
@@ -32,8 +35,10 @@ from baton.models.loader import resolve_model_path
 from bench.peer_servers import f32_gguf, llama_cpp_binary
 
 
-def chunks(llm: LLM, text: str, ctx: int, count: int) -> list[list[int]]:
-    ids = llm.engine.tokenizer.encode(text)
+def chunks(llm: LLM, text: str, ctx: int, count: int, ids: list[int] | None = None) -> list[list[int]]:
+    """llama-perplexity's chunks: tokens [i * ctx, (i + 1) * ctx) of the text's ids (baton's own
+    tokenization unless given), the first of each replaced by BOS."""
+    ids = ids if ids is not None else llm.engine.tokenizer.encode(text)
     bos = llm.engine.model_config.bos_token_id
     out = [ids[i : i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)][:count]
     return [[bos, *c[1:]] if bos is not None else c for c in out]
@@ -52,9 +57,11 @@ def targets(batches: list[list[int]]) -> torch.Tensor:
     return torch.tensor([t for ids in batches for t in ids[len(ids) // 2 + 1 :]])
 
 
-def baton_figures(model: str, ref_args: dict, test_args: dict, text: str, ctx: int, count: int) -> dict[str, float]:
+def baton_figures(
+    model: str, ref_args: dict, test_args: dict, text: str, ctx: int, count: int, ids: list[int] | None = None
+) -> dict[str, float]:
     ref = LLM(model, progress=False, **ref_args)
-    batches = chunks(ref, text, ctx, count)
+    batches = chunks(ref, text, ctx, count, ids)
     base = scored_logprobs(ref, batches)
     del ref
     quant = LLM(model, progress=False, **test_args)
@@ -64,10 +71,19 @@ def baton_figures(model: str, ref_args: dict, test_args: dict, text: str, ctx: i
     return {
         "tokens scored": float(len(tgt)),
         "mean KL": kl.mean().item(),
+        "KL std. error": (kl.std() / len(kl) ** 0.5).item(),
         "top-1 agreement %": 100 * (base.argmax(-1) == test.argmax(-1)).float().mean().item(),
         "PPL float32": base.gather(1, tgt[:, None]).mean().neg().exp().item(),
         "PPL quantized": test.gather(1, tgt[:, None]).mean().neg().exp().item(),
     }
+
+
+def llama_cpp_tokens(model: str, text_file: Path) -> list[int]:
+    """The text's token ids as llama-perplexity tokenizes it (BOS first where the vocabulary adds one)."""
+    tool = llama_cpp_binary(EnvSettings.read().cache_dir, "llama-tokenize")
+    cmd = [str(tool), "-m", str(resolve_model_path(model)), "-f", str(text_file), "--ids", "--log-disable"]
+    out = subprocess.run([*cmd, "--no-escape"], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def llama_cpp_figures(model: str, text_file: Path, ctx: int, count: int) -> dict[str, float]:
@@ -86,6 +102,7 @@ def llama_cpp_figures(model: str, text_file: Path, ctx: int, count: int) -> dict
     log = out.stdout + out.stderr
     return {
         "mean KL": _final(r"Mean\s+KLD:\s+([\d.eE+-]+)", log),
+        "KL std. error": _final(r"Mean\s+KLD:\s+[\d.eE+-]+\s+±\s+([\d.eE+-]+)", log),
         "top-1 agreement %": _final(r"Same top p:\s+([\d.]+)", log),
         "PPL float32": ppl_f32,
         "PPL quantized": _final(r"Mean\s+PPL\(Q\)\s*:\s+([\d.]+)", log),
@@ -123,13 +140,16 @@ def main() -> None:
         ref_args, test_args = {"dtype": "float32"}, {"quantization": args.quantization}
         if args.quantized_kv_cache_dtype:
             test_args["kv_cache_dtype"] = args.quantized_kv_cache_dtype
-    rows = {"baton": baton_figures(args.model, ref_args, test_args, text, args.ctx, args.chunks)}
-    if not args.no_llama_cpp and args.quantization is None and args.kv_cache_dtype is None:
+    beside_llama_cpp = not args.no_llama_cpp and args.quantization is None and args.kv_cache_dtype is None
+    ids = llama_cpp_tokens(args.model, Path(args.text)) if beside_llama_cpp else None
+    rows = {"baton": baton_figures(args.model, ref_args, test_args, text, args.ctx, args.chunks, ids)}
+    if beside_llama_cpp:
         rows["llama.cpp"] = llama_cpp_figures(args.model, Path(args.text), args.ctx, args.chunks)
     from baton.ops import quant_kernel
 
     kv = test_args.get("kv_cache_dtype", "the engine's default")
-    print(f"{args.model}, {Path(args.text).name}, {args.chunks} chunks of {args.ctx}, second halves scored")
+    tokens = "llama.cpp's token ids, both" if ids is not None else "baton's tokenizer"
+    print(f"{args.model}, {Path(args.text).name}, {args.chunks} chunks of {args.ctx}, second halves scored ({tokens})")
     print(f"baton's quantized model: kernel {quant_kernel()}, KV {kv}; llama.cpp: its defaults (f16 KV)")
     names = list(rows["baton"])
     print(f"{'':<11}" + "".join(f"{n:>20}" for n in names))
