@@ -109,6 +109,7 @@ def system_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 WORKLOADS = [("c1", 4, 1), ("c8", 16, 8), ("c32", 64, 32)]  # (name, prompts, concurrency)
+C1_GOAL = 1.5  # n-gram or suffix over no drafts at c1 on the shipped file
 
 
 async def run_prompts(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
@@ -298,8 +299,8 @@ def main() -> None:
         f"k={args.k}; medians of {args.repeats}"
     )
     print(f"{'workload':<10}{'server':<18}{'output tok/s':>14}{'TPOT ms':>10}{'TTFT ms':>10}{'vs off':>8}")
-    # the goal at c1 on the shipped file: n-gram or suffix at least 1.5x (either meets it); elsewhere no loss
-    goals = {("c1", "baton ngram"): 1.5, ("c1", "baton suffix"): 1.5} if args.weights == "gguf" else {}
+    # the goal at c1 on the shipped file: n-gram or suffix at least C1_GOAL (either meets it); elsewhere no loss
+    goals = {("c1", "baton ngram"): C1_GOAL, ("c1", "baton suffix"): C1_GOAL} if args.weights == "gguf" else {}
     best_c1 = 0.0
     for name, _, _ in WORKLOADS:
         for label in labels:
@@ -321,7 +322,8 @@ def main() -> None:
                     best_c1 = max(best_c1, ratio)
             print(line)
     if goals:
-        print(f"c1, n-gram or suffix >= 1.5x: {'met' if best_c1 >= 1.5 else 'MISSED'} (best {best_c1:.2f}x)")
+        met = "met" if best_c1 >= C1_GOAL else "MISSED"
+        print(f"c1, n-gram or suffix >= {C1_GOAL}x: {met} (best {best_c1:.2f}x)")
     print("\ngreedy outputs against the same server without drafts, request by request (every round)")
     for label in labels:
         base_label = label.split(" ")[0]

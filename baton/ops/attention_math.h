@@ -113,7 +113,7 @@ inline const float* as_float(const cache_t* row, float* buf, int64_t d, float sc
   } else if constexpr (std::is_same_v<cache_t, uint8_t>) {
     fp8_to_float(row, scale, buf, d);
     return buf;
-  } else {  // float16 / bfloat16: exact in float, converted 8 at a time (c10's scalar casts are slow)
+  } else {  // float16 / bfloat16: exact in float, converted 16 (AVX-512) or 8 at a time (c10's scalar casts are slow)
     int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512)
     for (; i + 16 <= d; i += 16) _mm512_storeu_ps(buf + i, load16(row + i));
@@ -264,22 +264,24 @@ inline void transpose(const float* src, int64_t ld_src, float* dst, int64_t ld_d
 #endif
 }
 
-// dst[j * ld_dst + r] = row r's value j as float for r < m, j < n, the rows src + r * ld_src of a
-// float32, float16 or bfloat16 cache (buf: room for m * n floats, where rows convert first)
+// dst[j * ld_dst + r] = row r's value j as float (as_float, an fp8 cache's times `scale`) for r < m,
+// j < n, the rows src + r * ld_src of a cache (buf: room for m * n floats, where rows convert first)
 template <typename cache_t>
 inline void transpose_keys(const cache_t* src, int64_t ld_src, float* dst, int64_t ld_dst, int64_t m, int64_t n,
-                           float* buf) {
+                           float scale, float* buf) {
   int64_t r = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-  if (n % 16 == 0)
-    for (; r + 16 <= m; r += 16)
-      for (int64_t j = 0; j < n; j += 16) transpose16(src + r * ld_src + j, ld_src, dst + j * ld_dst + r, ld_dst);
+  if constexpr (!std::is_same_v<cache_t, uint8_t>) {
+    if (n % 16 == 0)
+      for (; r + 16 <= m; r += 16)
+        for (int64_t j = 0; j < n; j += 16) transpose16(src + r * ld_src + j, ld_src, dst + j * ld_dst + r, ld_dst);
+  }
 #endif
   if (r == m) return;
   if constexpr (std::is_same_v<cache_t, float>) {
     transpose(src + r * ld_src, ld_src, dst + r, ld_dst, m - r, n);
   } else {
-    for (int64_t p = r; p < m; ++p) as_float(src + p * ld_src, buf + (p - r) * n, n, 1.f);
+    for (int64_t p = r; p < m; ++p) as_float(src + p * ld_src, buf + (p - r) * n, n, scale);
     transpose(buf, n, dst + r, ld_dst, m - r, n);
   }
 }

@@ -186,15 +186,10 @@ void attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
             // run of slots of one block at a time (the lanes of other keys hold what they held:
             // their scores are computed and never read)
             for (int64_t pos = w_lo; pos < w_hi;) {
-              const int64_t run = std::min(w_hi, (pos / bs + 1) * bs) - pos, block = win_block[pos - w0];
-              const cache_t* k_rows = k_ptr + win_slot[pos - w0] * ks0 + kv_head * ks1;
-              if constexpr (!std::is_same_v<cache_t, uint8_t>) {
-                transpose_keys(k_rows, ks0, &kt[pos - w0], kWindow, run, d, rows_buf.data());
-              } else {
-                const float k_scale = k_scales ? k_scales[block * num_kv_heads + kv_head] : 1.f;
-                for (int64_t p = 0; p < run; ++p) as_float(k_rows + p * ks0, &rows_buf[p * d], d, k_scale);
-                transpose(rows_buf.data(), d, &kt[pos - w0], kWindow, run, d);
-              }
+              const int64_t run = std::min(w_hi, (pos / bs + 1) * bs) - pos;
+              const float k_scale = k_scales ? k_scales[win_block[pos - w0] * num_kv_heads + kv_head] : 1.f;
+              transpose_keys(k_ptr + win_slot[pos - w0] * ks0 + kv_head * ks1, ks0, &kt[pos - w0], kWindow, run, d,
+                             k_scale, rows_buf.data());
               pos += run;
             }
             int64_t n = 0;
