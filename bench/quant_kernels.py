@@ -8,7 +8,10 @@ in the format, the lm_head (49152 x 2048) in Q6_K, as a Q4_K_M file has it; rand
 timing does not depend on the values), a tensor of its own per layer. Prints, per format and row
 count, the milliseconds of one token's linears (16 layers + lm_head, median of --repeats), the
 rate the weights stream at, the floor (the weights' bytes at limits.py's large-read rate) and
-the ratios int8 / float and int8 / floor. CPU and kernels are printed first.
+the ratios int8 / float and int8 / floor; then, per format, the rate torch's `sum` reads the same
+buffers at (the int8 layout viewed as float32, in the same order): what "at the read rate" means
+for these tensors, which read slower than limits.py's one 1 GiB buffer. CPU and kernels are
+printed first.
 """
 
 from __future__ import annotations
@@ -63,6 +66,18 @@ def token_ms(weights: list[tuple[torch.Tensor, int, int]], rows: int, repeats: i
     return statistics.median(times[1:]) * 1e3
 
 
+def read_ms(weights: list[tuple[torch.Tensor, int, int]], repeats: int) -> float:
+    """Milliseconds torch's sum takes over the weights' bytes, in order (median of `repeats`)."""
+    views = [w.reshape(-1).view(torch.float32) for w, _, _ in weights]
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for v in views:
+            v.sum()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--formats", nargs="+", default=["Q4_K", "Q4_0", "Q8_0"], choices=list(BLOCK_FORMATS))
@@ -93,6 +108,8 @@ def main() -> None:
                 f"{qtype:<6} {rows:>5} {ms['float']:>9.1f} {ms['int8']:>8.1f} {ms['int8'] / ms['float']:>10.2f} "
                 f"{nbytes / ms['int8'] / 1e6:>6.1f} {floor:>8.1f} {ms['int8'] / floor:>10.2f}"
             )
+        same = read_ms(layouts["int8"], args.repeats)
+        print(f"{qtype:<6} torch sum over the same buffers: {same:.1f} ms, {nbytes / same / 1e6:.1f} GB/s")
     set_quant_kernel("int8")
 
 
