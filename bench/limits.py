@@ -1,7 +1,7 @@
 """The physical limits of this machine for each serving workload, from two measurements:
 a large float32 matmul (GFLOP/s) and a large copy (GB/s).
 
-    python bench/limits.py [--model smollm2-135m] [--threads 2]
+    python -m bench.limits [--model smollm2-135m] [--threads 2]
 
 Per workload it prints the floor on median TPOT at concurrency 1 (every weight read once per
 token, plus the KV read), the ceiling on output tokens/s (every token's matmul FLOPs at the

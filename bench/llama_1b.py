@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import torch
-from peer_servers import CORES, ONE_B, llama_cpp_binary, llama_cpp_sources
 
 from baton.bench.hf_export import export_hf_dir
+from bench.peer_servers import CORES, ONE_B, llama_cpp_binary, llama_cpp_sources
 
 FILES = dict(zip(ONE_B, ("Q4_K_M", "Q4_0", "Q8_0"), strict=True))  # name -> llama-quantize's type
 SHAPE = dict(
@@ -63,7 +63,14 @@ def gguf_file(cache: Path, name: str) -> Path:
 
 
 if __name__ == "__main__":
+    import argparse
+
     from baton.config import EnvSettings
 
-    for n in sys.argv[1:] or FILES:
+    ap = argparse.ArgumentParser(description="Make the 1B class's GGUF files once (printing their paths).")
+    ap.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(FILES)} (default: all)")
+    names = ap.parse_args().names
+    if unknown := [n for n in names if n not in FILES]:
+        ap.error(f"unknown {', '.join(unknown)}: the 1B class is {', '.join(FILES)}")
+    for n in names or FILES:
         print(gguf_file(EnvSettings.read().cache_dir, n))

@@ -1,7 +1,7 @@
 """Offline throughput: baton `LLM.generate` against transformers `generate`, same prompts and weights.
 
 Prints output tokens/s for batch 1 and for 16 prompts at once, and the ratio baton / transformers.
-    python bench/offline.py [--model smollm2-135m] [--max-tokens 64] [--num-prompts 16]
+    python -m bench.offline [--model smollm2-135m] [--max-tokens 64] [--num-prompts 16]
 --model also takes a hybrid family's random model (bench/hybrid_models.py: qwen3-next-100m,
 kimi-linear-100m, nemotron-h-100m), prompted with random token ids.
 """
@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from hybrid_models import FAMILIES, build  # noqa: E402
-
-from baton import LLM, SamplingParams  # noqa: E402
-from baton.config import EnvSettings  # noqa: E402
-from baton.models.loader import resolve_model_path  # noqa: E402
+from baton import LLM, SamplingParams
+from baton.config import EnvSettings
+from baton.models.loader import resolve_model_path
+from bench.hybrid_models import FAMILIES, build
 
 PROMPTS = [
     "The history of the printing press begins",

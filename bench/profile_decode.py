@@ -1,6 +1,6 @@
 """Where the milliseconds of one decode step go, offline, at a given concurrency.
 
-    python bench/profile_decode.py [--model smollm2-135m] [--concurrency 8] [--steps 40] [--modules]
+    python -m bench.profile_decode [--model smollm2-135m] [--concurrency 8] [--steps 40] [--modules]
         [--dtype auto|float32] [--quantization q8_0|q4_k|...] [--kv-cache-dtype fp8]
 
 `concurrency` requests with random 128-token prompts are prefilled, then `--steps` decode

@@ -1,7 +1,7 @@
 """The GGUF-block linears of a ~1.1B Llama (hidden 2048, 16 layers, 32 / 8 heads, MLP 8192, vocab
 49152), float kernel against int8 kernel, beside the bytes-read floor.
 
-    python bench/quant_kernels.py [--formats Q4_K Q4_0 Q8_0] [--rows 1 8 128] [--repeats 5]
+    python -m bench.quant_kernels [--formats Q4_K Q4_0 Q8_0] [--rows 1 8 128] [--repeats 5]
 
 One layer's projections (qkv 3072 x 2048, o 2048 x 2048, gate_up 16384 x 2048, down 2048 x 8192)
 in the format, the lm_head (49152 x 2048) in Q6_K, as a Q4_K_M file has it; random blocks (their
@@ -18,19 +18,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from limits import read_gbs  # noqa: E402
-
-from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor  # noqa: E402
-from baton.ops import packed_linear, set_quant_kernel  # noqa: E402
+from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor
+from baton.ops import packed_linear, set_quant_kernel
+from bench.limits import read_gbs
 
 LAYERS = 16
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}

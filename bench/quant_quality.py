@@ -1,7 +1,7 @@
 """How far a quantized model's next-token distributions are from the float32 model's, for baton and
 for llama.cpp's `llama-perplexity --kl-divergence`, on the same file and text, side by side.
 
-    python bench/quant_quality.py [--model smollm2-135m] [--text /usr/share/common-licenses/GPL-3]
+    python -m bench.quant_quality [--model smollm2-135m] [--text /usr/share/common-licenses/GPL-3]
         [--ctx 512] [--chunks 8] [--quantization q4_k | --kv-cache-dtype fp8] [--quantized-kv-cache-dtype float32]
 
 The text is cut into chunks of --ctx tokens, each starting with BOS, and (as llama-perplexity does)

@@ -1,7 +1,7 @@
 """Prefix-aware routing against round-robin: three baton workers behind `baton router`, a
 multi-tenant chat, prefix hit rate and TTFT per policy side by side.
 
-    python bench/routing.py [--tenants 8] [--conversations 2] [--turns 4] [--concurrency 6]
+    python -m bench.routing [--tenants 8] [--conversations 2] [--turns 4] [--concurrency 6]
 
 Workload: 8 tenants, each with its own system prompt of about 1,000 tokens (distinct from the
 first words on: its own company, rules and vocabulary); per tenant 2 conversations of 4 turns.

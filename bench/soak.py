@@ -17,7 +17,7 @@ longest stall, leaked KV blocks and running requests on every worker once the tr
 each process's RSS at start (after warm-up) and at the end. Exit status 1 if any 5xx was seen,
 anything leaked, or a stall passed 5 s.
 
-    python bench/soak.py --minutes 20
+    python -m bench.soak --minutes 20
 """
 
 from __future__ import annotations
@@ -37,9 +37,7 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from baton.bench.procs import free_port, stop_processes, wait_healthy  # noqa: E402
+from baton.bench.procs import free_port, stop_processes, wait_healthy
 
 KEY = secrets.token_hex(16)
 KV_SECRET = secrets.token_hex(32)

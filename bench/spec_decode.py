@@ -1,7 +1,7 @@
 """Speculative decoding on and off, baton and llama.cpp's llama-server side by side, on SmolLM2 as
 shipped (Q4_1) with an input-grounded workload: rewrite a given passage, edit a given piece of code.
 
-    python bench/spec_decode.py [--repeats 3] [--output-len 128] [--k 4] [--peers baton llama.cpp]
+    python -m bench.spec_decode [--repeats 3] [--output-len 128] [--k 4] [--peers baton llama.cpp]
                                 [--weights gguf|f32] [--workloads c1 c8 c32]
 
 Servers, each computing on the same 2 cores:
@@ -30,21 +30,18 @@ import json
 import re
 import statistics
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).parent))
-from peer_servers import CORES, Server, inherited_env, llama_cpp_binary, start_server, stop_servers  # noqa: E402
-from peers import baton_commit, served_weights  # noqa: E402
-
-from baton.bench.serve import _stats, one_request  # noqa: E402
-from baton.config import EnvSettings  # noqa: E402
-from baton.models.loader import resolve_model_path  # noqa: E402
-from baton.tokenizer import apply_chat_template, load_tokenizer  # noqa: E402
+from baton.bench.serve import _stats, one_request
+from baton.config import EnvSettings
+from baton.models.loader import resolve_model_path
+from baton.tokenizer import apply_chat_template, load_tokenizer
+from bench.peer_servers import CORES, Server, inherited_env, llama_cpp_binary, start_server, stop_servers
+from bench.peers import baton_commit, served_weights
 
 MODEL = "smollm2-135m"
 PASSAGES = [

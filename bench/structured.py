@@ -1,7 +1,7 @@
 """What a JSON schema costs the batch: TPOT at c1 and c8 with no constrained request, and with a JSON
 schema on half of the requests (at c1: on the one), and the token-mask time per step.
 
-    python bench/structured.py [--models smollm2-135m gemma3-270m] [--output-len 64] [--rounds 2]
+    python -m bench.structured [--models smollm2-135m gemma3-270m] [--output-len 64] [--rounds 2]
 
 Offline, on the engine (no HTTP): every request runs --output-len tokens (the schema is an array of
 exactly 64 bounded objects, so constrained requests never end early); TPOT is a request's time from

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from baton import LLM, SamplingParams
-from baton.spec.mtp import MtpProposer
+from baton.spec_decode.mtp import MtpProposer
 from tests.test_handoff import prefill_span, run_imported
 
 GLM = dict(

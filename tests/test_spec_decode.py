@@ -15,8 +15,8 @@ import torch
 from baton import LLM, SamplingParams
 from baton.config import SpeculativeConfig
 from baton.sampling_params import StructuredOutputsParams
-from baton.spec.ngram import propose_ngram
-from baton.spec.suffix import SEPARATOR, SuffixProposer, longest_match, walk
+from baton.spec_decode.ngram import propose_ngram
+from baton.spec_decode.suffix import SEPARATOR, SuffixProposer, longest_match, walk
 from tests.conftest import PROMPTS
 from tests.test_handoff import prefill_span, run_imported
 from tests.test_random_models import make_model

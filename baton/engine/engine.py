@@ -29,8 +29,8 @@ from baton.outputs import RequestOutput
 from baton.parallel.comm import TPGroup
 from baton.parallel.ranks import Ranks
 from baton.sampling_params import SamplingParams
-from baton.spec.decoder import SpecDecoder
-from baton.spec.verify import accept_drafts
+from baton.spec_decode.decoder import SpecDecoder
+from baton.spec_decode.verify import accept_drafts
 from baton.tokenizer import generation_eos_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -102,15 +102,15 @@ class LLMEngine:
         assert spec is not None
         draft = None
         if spec.method == "mtp":
-            from baton.spec.mtp import MtpProposer
+            from baton.spec_decode.mtp import MtpProposer
 
             draft = MtpProposer(self.model, self.kv, self.storage)
         if spec.method == "suffix":
-            from baton.spec.suffix import SuffixProposer
+            from baton.spec_decode.suffix import SuffixProposer
 
             draft = SuffixProposer(spec)
         if spec.method == "draft_model":
-            from baton.spec.draft_model import DraftModelProposer
+            from baton.spec_decode.draft_model import DraftModelProposer
 
             draft = DraftModelProposer(config, self.model_config, progress)
         return SpecDecoder(spec, draft, self.structured.allowed_drafts)

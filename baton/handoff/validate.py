@@ -1,4 +1,4 @@
-"""Every check on an incoming span, all before anything is written (DESIGN.md, "Handoff").
+"""Every check on an incoming span, all before anything is written (docs/design.md, "Handoff").
 
 `plan_import` checks the signature, reads the bytes, checks them against the receiver and returns an
 ImportPlan whose tensors are already in the receiver's dtype and axis order; only `apply_import`

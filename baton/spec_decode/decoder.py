@@ -18,7 +18,7 @@ from collections import deque
 
 from baton.config import SpeculativeConfig
 from baton.engine.request import Request
-from baton.spec.ngram import propose_ngram
+from baton.spec_decode.ngram import propose_ngram
 
 logger = logging.getLogger(__name__)
 LOG_INTERVAL_S = 10.0
