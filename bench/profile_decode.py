@@ -3,6 +3,8 @@
     python -m bench.profile_decode [--model smollm2-135m] [--concurrency 8] [--steps 40] [--modules]
         [--dtype auto|float32] [--quantization q8_0|q4_k|...] [--kv-cache-dtype fp8]
 
+--model also takes a recurrent family's random model (bench/hybrid_models.py: qwen3-next-100m, ...).
+
 `concurrency` requests with random 128-token prompts are prefilled, then `--steps` decode
 steps are timed. Each part of `LLMEngine.step` is wrapped with a timer: scheduling, building
 the batch tensors (positions, slot mappings, KV read indices), the model, the lm_head, sampling,
@@ -27,6 +29,8 @@ import numpy as np
 import baton.engine.engine as engine_mod
 import baton.models.llama as llama_mod
 from baton import LLM, SamplingParams
+from baton.config import EnvSettings
+from bench.hybrid_models import FAMILIES, build
 
 timers: dict[str, float] = defaultdict(float)
 
@@ -54,8 +58,9 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="quantize a float checkpoint at load (q8_0, q4_k, ...)")
     ap.add_argument("--kv-cache-dtype", default=None, help="float32 (default), bfloat16, float16 or fp8")
     args = ap.parse_args()
+    model_path = str(build(EnvSettings.read().cache_dir, args.model)) if args.model in FAMILIES else args.model
     llm = LLM(
-        args.model,
+        model_path,
         progress=False,
         fused_decode=not args.modules,
         dtype=args.dtype,

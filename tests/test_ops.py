@@ -169,18 +169,30 @@ def tiny_decoder(num_blocks=6, block_size=4):
     def panels(n, k):
         return pack_weight_panels(torch.randn(n, k, generator=g) / math.sqrt(k))
 
-    decoder = ops().FusedDecoder(heads, kv_heads, dim, hidden, inner, 1e-6, 0.0, 0.25, False, torch.ones(hidden))
+    decoder = ops().FusedDecoder(hidden, ops().NormWeights(torch.ones(hidden), 1e-6))
     k_cache = torch.zeros(num_blocks * block_size, kv_heads, dim)
     v_cache = torch.zeros_like(k_cache)
-    qkv, o = panels((heads + 2 * kv_heads) * dim, hidden), panels(hidden, heads * dim)
-    gate_up, down = panels(2 * inner, hidden), panels(hidden, inner)
-    norm = torch.ones(hidden)
-    qkv_rows = [(heads + 2 * kv_heads) * dim]
-    decoder.add_layer(
-        norm, norm, None, None, None, None, [qkv], qkv_rows, None, o, None, [gate_up], [2 * inner], down,
-        k_cache, v_cache, 0, 0,
-    )  # fmt: skip
+    add_llama_layer(decoder, panels, hidden, heads, kv_heads, dim, inner, 0.25, k_cache, v_cache)
     return decoder, k_cache, v_cache
+
+
+def add_llama_layer(decoder, panels, hidden, heads, kv_heads, dim, inner, scale, k_cache, v_cache, times=1):
+    """A Llama layer's two blocks (attention, gated MLP) over random panels and unit norms, `times`
+    layers deep (the same weights and cache each time)."""
+    attn = ops().AttentionStep(
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, hidden=hidden, scale=scale, rope=0, rotary_dim=dim,
+        qkv=[panels((heads + 2 * kv_heads) * dim, hidden)], qkv_rows=[(heads + 2 * kv_heads) * dim], qkv_bias=None,
+        q_norm=ops().NormWeights(), k_norm=ops().NormWeights(), o=panels(hidden, heads * dim), o_bias=None,
+        k_cache=k_cache, v_cache=v_cache, k_scale=None, v_scale=None, group=0,
+    )  # fmt: skip
+    mlp = ops().GatedMlpStep(
+        gate_up=[panels(2 * inner, hidden)], gate_up_rows=[2 * inner], down=panels(hidden, inner),
+        intermediate=inner, hidden=hidden, gelu_tanh=False,
+    )  # fmt: skip
+    norm = ops().NormWeights(torch.ones(hidden), 1e-6)
+    for _ in range(times):
+        decoder.add_block(norm, attn, ops().NormWeights())
+        decoder.add_block(norm, mlp, ops().NormWeights())
 
 
 def decode_step(decoder, block_size=4, **metadata):
@@ -265,14 +277,9 @@ def long_fused_decode_step():
     def panels(n, k):
         return pack_weight_panels(torch.randn(n, k, generator=g) / math.sqrt(k))
 
-    decoder = ops().FusedDecoder(heads, kv_heads, dim, hidden, inner, 1e-6, 0.0, 0.125, False, torch.ones(hidden))
+    decoder = ops().FusedDecoder(hidden, ops().NormWeights(torch.ones(hidden), 1e-6))
     k_cache, v_cache = torch.zeros(rows * 16, kv_heads, dim), torch.zeros(rows * 16, kv_heads, dim)
-    layer = ([panels((heads + 2 * kv_heads) * dim, hidden)], [(heads + 2 * kv_heads) * dim], None)
-    layer += (panels(hidden, heads * dim), None)
-    mlp = ([panels(2 * inner, hidden)], [2 * inner], panels(hidden, inner))
-    norm = torch.ones(hidden)
-    for _ in range(8):
-        decoder.add_layer(norm, norm, None, None, None, None, *layer, *mlp, k_cache, v_cache, 0, 0)
+    add_llama_layer(decoder, panels, hidden, heads, kv_heads, dim, inner, 0.125, k_cache, v_cache, times=8)
     x, cos, sin = torch.randn(rows, hidden, generator=g), torch.ones(rows, dim), torch.zeros(rows, dim)
     # row i writes the first slot of block i and reads that one position
     slots, blocks = torch.arange(rows) * 16, torch.arange(rows)[:, None].contiguous()

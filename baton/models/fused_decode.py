@@ -1,97 +1,137 @@
-"""A packed float32 Llama-family model's decode-only steps as one C++ call per step
-(baton/ops/decode.cpp), bound to the KV storage it writes."""
+"""A model's decode-only steps as one C++ call per step (baton/ops/fused_decoder.h): the blocks
+its layers declare (`decode_blocks`: a pre-norm, a layer step, an optional post-norm), bound to
+the KV storage and recurrent state they write. The steps call the module path's kernels in its
+order, so a row's bits are the module path's."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from baton.kv.state import StateStorage
 from baton.kv.storage import FP8, KVStorage
-from baton.models.layers import GroupAttnMetadata, PackedLinear, RMSNorm, StackedLinear, unwrapped
+from baton.models.layers import PackedLinear, RMSNorm, StackedLinear, unwrapped
+from baton.models.recurrent import StateMetadata
 from baton.ops import ops
 
 
+@dataclass
+class StepBinding:
+    """What a layer needs to build its steps: the storage its KV lives in, the recurrent state
+    storage, and per rope kind (in the order the step's cos / sin lists take them) its width."""
+
+    storage: KVStorage
+    states: StateStorage | None
+    rope_dims: dict[str, int]
+
+    def kv_group(self, layer_id: int) -> int:
+        return self.storage.spec.layer_to_group[layer_id][0]
+
+    def rope(self, kind: str) -> int:
+        return list(self.rope_dims).index(kind)
+
+
+@dataclass
+class DecodeBlock:
+    pre_norm: RMSNorm
+    step: object  # an ops().LayerStep
+    post_norm: RMSNorm | None = None
+
+
+def norm_weights(norm: RMSNorm | None):
+    return ops().NormWeights() if norm is None else ops().NormWeights(norm.weight, norm.eps, norm.offset)
+
+
+def gated_mlp_step(gate_up_proj: torch.nn.Module, down_proj: torch.nn.Module, gelu_tanh: bool):
+    """down(act(gate) * up) as a step (baton/ops/mlp_layer.cpp); None unless both projections run
+    on the packed kernels (a tensor-parallel down_proj: the decoder sums the output itself)."""
+    down = unwrapped(down_proj)
+    if not isinstance(gate_up_proj, (PackedLinear, StackedLinear)) or not isinstance(down, PackedLinear):
+        return None
+    return ops().GatedMlpStep(
+        gate_up=[p.packed for p in gate_up_proj.parts()],
+        gate_up_rows=[p.out_features for p in gate_up_proj.parts()],
+        down=down.packed,
+        intermediate=down.in_features,
+        hidden=down.out_features,
+        gelu_tanh=gelu_tanh,
+    )
+
+
 class FusedDecoder:
-    def __init__(self, model: torch.nn.Module, storage: KVStorage) -> None:
-        cfg = model.cfg
-        self.storage = storage
-        self.kinds = model.layer_kinds  # rope kind -> its index in forward's cos/sin lists
+    def __init__(self, model: torch.nn.Module, blocks: list[DecodeBlock], rope_kinds: list[str]) -> None:
+        self.rope_kinds = rope_kinds
         # a pipeline stage before the last has no final norm: it hands on the residual stream
         final = model.norm if isinstance(model.norm, RMSNorm) else None
-        norm = model.layers[0].input_layernorm  # every norm's eps and offset
-        self._decoder = ops().FusedDecoder(
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            hidden=cfg.hidden_size,
-            intermediate=cfg.intermediate_size,
-            eps=norm.eps,
-            norm_offset=norm.offset,
-            scale=cfg.attn_scale,
-            gelu_tanh=cfg.hidden_act == "gelu_pytorch_tanh",
-            final_norm=None if final is None else final.weight,
-        )
+        self._decoder = ops().FusedDecoder(hidden=model.cfg.hidden_size, final_norm=norm_weights(final))
         tp = getattr(model, "tp", None)
-        if tp is not None and tp.size > 1:
+        if tp is not None and tp.size > 1:  # every block's output is this rank's partial sum
             self._decoder.set_all_reduce(tp.all_reduce)
-        for layer in model.layers:
-            # a tensor-parallel model's o and MLP sum over the ranks (parallel/shard.py's RowParallel)
-            attn, mlp = layer.self_attn, unwrapped(layer.mlp)
-            o_proj = unwrapped(attn.o_proj)
-            cache = storage.layer_kv(attn.layer_id)
-            self._decoder.add_layer(
-                input_norm=layer.input_layernorm.weight,
-                post_attn_norm=layer.post_attention_layernorm.weight,
-                pre_ff_norm=_weight(getattr(layer, "pre_feedforward_layernorm", None)),
-                post_ff_norm=_weight(getattr(layer, "post_feedforward_layernorm", None)),
-                q_norm=_weight(attn.q_norm),
-                k_norm=_weight(attn.k_norm),
-                qkv=[p.packed for p in attn.qkv_proj.parts()],
-                qkv_rows=[p.out_features for p in attn.qkv_proj.parts()],
-                qkv_bias=attn.qkv_proj.bias,
-                o=o_proj.packed,
-                o_bias=o_proj.bias,
-                gate_up=[p.packed for p in mlp.gate_up_proj.parts()],
-                gate_up_rows=[p.out_features for p in mlp.gate_up_proj.parts()],
-                down=mlp.down_proj.packed,
-                k_cache=cache.k,
-                v_cache=cache.v,
-                k_scale=cache.k_scale,
-                v_scale=cache.v_scale,
-                rope=self.kinds.index(attn.kind),
-                group=storage.spec.layer_to_group[attn.layer_id][0],
-            )
+        for b in blocks:
+            self._decoder.add_block(norm_weights(b.pre_norm), b.step, norm_weights(b.post_norm))
+        self.steps = 0
 
-    @staticmethod
-    def supports(model: torch.nn.Module, storage: KVStorage) -> bool:
-        """Packed float32 linears and a float32, float16, bfloat16 or fp8 KV cache; otherwise the
-        module path runs."""
-        return storage.dtype in (torch.float32, torch.float16, torch.bfloat16, FP8) and all(
-            isinstance(getattr(getattr(layer, "self_attn", None), "qkv_proj", None), (PackedLinear, StackedLinear))
-            for layer in model.layers
-        )
+    @classmethod
+    def build(
+        cls, model: torch.nn.Module, storage: KVStorage, states: StateStorage | None = None
+    ) -> FusedDecoder | None:
+        """The decoder of `model`'s layers over `storage` and `states`; None where a layer cannot
+        run as a step (its `decode_blocks` says None) or the KV cache is of a dtype the steps lack."""
+        if storage.dtype not in (torch.float32, torch.float16, torch.bfloat16, FP8):
+            return None
+        rope_dims = {kind: model.rotary[kind].inv_freq.numel() * 2 for kind in model.layer_kinds}
+        binding = StepBinding(storage, states, rope_dims)
+        blocks = []
+        for layer in model.layers:
+            declared = layer.decode_blocks(binding)
+            if declared is None:
+                return None
+            blocks += declared
+        return cls(model, blocks, list(rope_dims))
 
     def set_profiling(self, on: bool) -> None:
         """With profiling on, each step adds the wall time of its parts to `profile()`."""
         self._decoder.set_profiling(on)
 
     def profile(self) -> dict[str, float]:
-        """Seconds spent in attention (KV write and kernel), linears, and norms / rotary / activation."""
+        """Seconds spent in each part of the steps (linears, attention, norms, ...)."""
         return self._decoder.profile()
 
-    def __call__(
-        self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], groups: list[GroupAttnMetadata]
-    ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], ctx) -> torch.Tensor:
+        """x: the embedded decode tokens, one per row; rope: each kind's cos and signed sin."""
+        self.steps += 1
         return self._decoder.forward(
             x,
-            [rope[kind][0] for kind in self.kinds],
-            [rope[kind][1] for kind in self.kinds],
-            [g.slot_mapping for g in groups],
-            [g.decode_block_ids for g in groups],
-            [g.decode_kv_offsets for g in groups],
-            [g.decode_kv_lens for g in groups],
-            groups[0].block_size,
+            [rope[kind][0] for kind in self.rope_kinds],
+            [rope[kind][1] for kind in self.rope_kinds],
+            *step_arguments(ctx),
         )
 
 
-def _weight(norm: torch.nn.Module | None) -> torch.Tensor | None:
-    return None if norm is None else norm.weight
+def step_arguments(ctx) -> list:
+    """What a fused decoder's forward takes after x (and the rope lists): per KV group the slot
+    mapping and decode blocks / offsets / lengths, the block size, then `decode_state_rows`."""
+    groups = ctx.groups
+    return [
+        [g.slot_mapping for g in groups],
+        [g.decode_block_ids for g in groups],
+        [g.decode_kv_offsets for g in groups],
+        [g.decode_kv_lens for g in groups],
+        groups[0].block_size if groups else 1,
+        *decode_state_rows(ctx.state_meta),
+    ]
+
+
+def decode_state_rows(meta: StateMetadata | None) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A decode step's recurrent metadata as the C++ steps take it: each row's state slot, and per
+    checkpoint to take its row, its offset (0: before the row's token, 1: after) and its id."""
+    seqs = meta.seqs if meta is not None else []
+    slots, snap_rows, snap_offsets, snap_ids = [0] * len(seqs), [], [], []
+    for seq in seqs:  # one row each
+        slots[seq.q_start] = seq.slot
+        for offset, cid in seq.snapshots:
+            snap_rows.append(seq.q_start)
+            snap_offsets.append(offset)
+            snap_ids.append(cid)
+    return slots, snap_rows, snap_offsets, snap_ids

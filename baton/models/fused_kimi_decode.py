@@ -10,9 +10,9 @@ import torch
 from baton.kv.spec import STATE_DTYPE
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.fused_hybrid_decode import expert_arguments, step_arguments
+from baton.models.fused_decode import step_arguments
 from baton.models.layers import PackedLinear, unwrapped
-from baton.models.moe import GroupedSigmoidMoE
+from baton.models.moe import GroupedSigmoidMoE, expert_arguments
 from baton.ops import ops
 
 

@@ -10,7 +10,7 @@ import torch
 from baton.kv.spec import STATE_DTYPE
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.fused_hybrid_decode import step_arguments
+from baton.models.fused_decode import step_arguments
 from baton.models.layers import PackedLinear, unwrapped
 from baton.models.moe import ExpertElsewhere
 from baton.ops import ops

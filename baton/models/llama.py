@@ -10,21 +10,25 @@ from torch import nn
 
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage, LayerKV
-from baton.models.fused_decode import FusedDecoder
+from baton.models.fused_decode import DecodeBlock, FusedDecoder, StepBinding, gated_mlp_step, norm_weights
 from baton.models.gguf_blocks import BlockTensor, BlockWeight, stack_rows
 from baton.models.layers import (
     BlockEmbedding,
     GroupAttnMetadata,
+    PackedLinear,
     RMSNorm,
     Rotary,
+    StackedLinear,
     apply_rotary,
     embedding,
     gated_activation,
     pack_linears,
     paged_attention,
+    unwrapped,
 )
 from baton.models.model_config import TextModelConfig
 from baton.models.recurrent import StateMetadata
+from baton.ops import ops
 
 
 @dataclass
@@ -74,6 +78,35 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(n, -1))
 
+    def decode_step(self, binding: StepBinding):
+        """This attention as a fused decoder's step (baton/ops/attention_layer.cpp); None unless
+        its projections run on the packed kernels."""
+        o_proj = unwrapped(self.o_proj)  # tensor parallel: the decoder sums the output over the ranks
+        if not isinstance(self.qkv_proj, (PackedLinear, StackedLinear)) or not isinstance(o_proj, PackedLinear):
+            return None
+        cache = binding.storage.layer_kv(self.layer_id)
+        return ops().AttentionStep(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            hidden=o_proj.out_features,
+            scale=self.scale,
+            rope=binding.rope(self.kind),
+            rotary_dim=self.head_dim,
+            qkv=[p.packed for p in self.qkv_proj.parts()],
+            qkv_rows=[p.out_features for p in self.qkv_proj.parts()],
+            qkv_bias=self.qkv_proj.bias,
+            q_norm=norm_weights(self.q_norm),
+            k_norm=norm_weights(self.k_norm),
+            o=o_proj.packed,
+            o_bias=o_proj.bias,
+            k_cache=cache.k,
+            v_cache=cache.v,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
+            group=binding.kv_group(self.layer_id),
+        )
+
 
 class GatedMLP(nn.Module):
     def __init__(self, cfg: TextModelConfig) -> None:
@@ -84,6 +117,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gated_activation(self.gate_up_proj(x), self.gelu))
+
+    def decode_step(self, binding: StepBinding):
+        return gated_mlp_step(self.gate_up_proj, self.down_proj, self.gelu)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -106,6 +142,13 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(h, rope[self.self_attn.kind], ctx)
         return self.mlp(self.post_attention_layernorm(h, residual)), residual
 
+    def decode_blocks(self, binding: StepBinding) -> list[DecodeBlock] | None:
+        """forward's blocks for the fused decoder, or None where a step cannot run there."""
+        attn, mlp = self.self_attn.decode_step(binding), unwrapped(self.mlp).decode_step(binding)
+        if attn is None or mlp is None:
+            return None
+        return [DecodeBlock(self.input_layernorm, attn), DecodeBlock(self.post_attention_layernorm, mlp)]
+
 
 class LlamaForCausalLM(nn.Module):
     """Also serves Mistral, Qwen2 and Qwen3: their differences are config flags."""
@@ -122,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = nn.ModuleDict({kind: Rotary(rope, cfg.head_dim) for kind, rope in cfg.rope.items()})
         self.layer_kinds = [k for k in dict.fromkeys(kind.name for kind in cfg.layer_kinds) if k in self.rotary]
-        self.fused_decode = True  # decode-only steps as one C++ call where FusedDecoder supports the model
+        self.fused_decode = True  # decode-only steps as one C++ call where every layer has its steps
         self.fused_decoder: FusedDecoder | None = None
         self._fused_storage: KVStorage | None = None  # the storage fused_decoder was decided for
         self.block_weights: dict[str, BlockWeight] = {}  # weights kept in GGUF blocks, by parameter name
@@ -136,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         rope = {kind: self.rotary[kind](positions, x.dtype) for kind in self.layer_kinds}
         if ctx.decode_only and self._fused_decoder_for(ctx.storage) is not None:
-            return self.fused_decoder(x, rope, ctx.groups)
+            return self.fused_decoder(x, rope, ctx)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, ctx)
@@ -148,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         if self._fused_storage is not storage:
             self._fused_storage = storage
-            self.fused_decoder = FusedDecoder(self, storage) if FusedDecoder.supports(self, storage) else None
+            self.fused_decoder = FusedDecoder.build(self, storage)
         return self.fused_decoder
 
     def pack_linears(self, quantization: str | None = None) -> None:

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.models.layers import gated_activation
+from baton.models.fused_decode import StepBinding, gated_mlp_step
+from baton.models.layers import PackedLinear, gated_activation
 from baton.models.model_config import TextModelConfig
+from baton.ops import ops
 
 
 class MLP(nn.Module):
@@ -21,6 +23,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gated_activation(self.gate_up_proj(x), False))
+
+    def decode_step(self, binding: StepBinding):
+        """This MLP as a fused decoder's step; None unless its projections run on the packed kernels."""
+        return gated_mlp_step(self.gate_up_proj, self.down_proj, False)
 
 
 def dense_mlp(hidden_size: int, intermediate_size: int) -> MLP:
@@ -64,9 +70,42 @@ class SparseMoE(nn.Module):
             out = out + shared
         return out
 
+    def decode_step(self, binding: StepBinding):
+        """This MoE as a fused decoder's step (baton/ops/moe_layer.cpp); None unless every linear
+        it holds runs on the packed kernels."""
+        experts = [e for e in self.experts if not isinstance(e, ExpertElsewhere)]
+        experts += [self.shared_expert] if self.shared_expert is not None else []
+        linears = [self.gate, *[p for e in experts for p in (e.gate_up_proj, e.down_proj)]]
+        linears += [self.shared_expert_gate] if self.shared_expert_gate is not None else []
+        if not all(isinstance(m, PackedLinear) for m in linears):
+            return None
+        return ops().SoftmaxMoeStep(
+            hidden=self.gate.in_features,
+            router=self.gate.packed,
+            top_k=self.top_k,
+            norm_topk_prob=self.norm_topk_prob,
+            **expert_arguments(self.experts, self.shared_expert),
+            shared_gate=None if self.shared_expert_gate is None else self.shared_expert_gate.packed,
+        )
+
 
 class ExpertElsewhere(nn.Module):
     """An expert another tensor-parallel rank holds: its tokens' share of the sum comes from there."""
+
+
+def expert_arguments(experts: nn.ModuleList, shared: nn.Module | None) -> dict:
+    """The routed experts' and the shared expert's packed gate_up / down weights, as the fused MoE
+    steps take them."""
+    here = [e for e in experts if not isinstance(e, ExpertElsewhere)]
+    absent = torch.empty(0)  # tensor parallel: an expert another rank holds
+    return {
+        "expert_gate_up": [absent if isinstance(e, ExpertElsewhere) else e.gate_up_proj.packed for e in experts],
+        "expert_down": [absent if isinstance(e, ExpertElsewhere) else e.down_proj.packed for e in experts],
+        "moe_intermediate": here[0].down_proj.in_features if here else 1,
+        "shared_gate_up": None if shared is None else shared.gate_up_proj.packed,
+        "shared_down": None if shared is None else shared.down_proj.packed,
+        "shared_intermediate": 0 if shared is None else shared.down_proj.in_features,
+    }
 
 
 def run_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

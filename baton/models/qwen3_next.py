@@ -10,15 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.kv.spec import LayerKind
+from baton.kv.spec import STATE_DTYPE, LayerKind
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.fused_hybrid_decode import FusedHybridDecoder
-from baton.models.layers import RMSNorm, Rotary, paged_attention
+from baton.models.fused_decode import DecodeBlock, FusedDecoder, StepBinding, norm_weights
+from baton.models.layers import PackedLinear, RMSNorm, Rotary, paged_attention, unwrapped
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import SparseMoE, dense_mlp
 from baton.models.recurrent import conv_over_segments, scan_over_segments, segments
+from baton.ops import ops
 
 
 def layer_kinds(hf: dict[str, Any]) -> list[LayerKind]:
@@ -96,6 +97,36 @@ class GatedDeltaNet(nn.Module):
         out = gated_rms_norm(out.to(x.dtype), z.view(n, self.vh, self.dv), self.norm.weight, self.eps)
         return self.out_proj(out.reshape(n, -1))
 
+    def decode_step(self, binding: StepBinding):
+        """This layer as a fused decoder's step (baton/ops/gdn_layer.cpp); None without float32
+        recurrent state or with a projection off the packed kernels."""
+        out_proj = unwrapped(self.out_proj)
+        linears = (self.in_proj_qkvz, self.in_proj_ba, out_proj)
+        if binding.states is None or not all(isinstance(m, PackedLinear) for m in linears):
+            return None
+        (conv_state, rec_state), (conv_ckpt, rec_ckpt) = binding.states.layer(self.layer_id)
+        return ops().GdnStep(
+            key_heads=self.kh,
+            value_heads=self.vh,
+            key_dim=self.dk,
+            value_dim=self.dv,
+            conv_kernel=self.conv1d.weight.shape[-1],
+            hidden=out_proj.out_features,
+            qkvz=self.in_proj_qkvz.packed,
+            ba=self.in_proj_ba.packed,
+            out_proj=out_proj.packed,
+            conv_weight=self.conv1d.weight[:, 0].float().contiguous(),
+            # forward's -A_log.float().exp(): the same op on the same [vh], once
+            neg_exp_a=(-self.A_log.float().exp()).contiguous(),
+            dt_bias=self.dt_bias.float().contiguous(),
+            norm_weight=self.norm.weight.float().contiguous(),
+            norm_eps=self.eps,
+            conv_state=conv_state,
+            rec_state=rec_state,
+            conv_checkpoints=conv_ckpt,
+            rec_checkpoints=rec_ckpt,
+        )
+
 
 class GatedAttention(nn.Module):
     """q_proj gives each head its query and an output gate; q/k norm (1 + w); partial rotary."""
@@ -125,6 +156,39 @@ class GatedAttention(nn.Module):
         cache, meta = ctx.for_layer(self.layer_id)
         out = paged_attention(q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
+
+    def decode_step(self, binding: StepBinding):
+        """This attention as a fused decoder's step (baton/ops/attention_layer.cpp: output gate,
+        partial rotary as forward's torch ops); None with a projection off the packed kernels."""
+        o_proj = unwrapped(self.o_proj)
+        qkv = (self.q_proj, self.k_proj, self.v_proj)
+        if not all(isinstance(m, PackedLinear) for m in (*qkv, o_proj)):
+            return None
+        biases = [m.bias for m in qkv]
+        cache = binding.storage.layer_kv(self.layer_id)
+        return ops().AttentionStep(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            hidden=o_proj.out_features,
+            scale=self.scale,
+            rope=binding.rope("full"),
+            rotary_dim=binding.rope_dims["full"],
+            torch_rotary=True,
+            output_gate=True,
+            qkv=[m.packed for m in qkv],
+            qkv_rows=[m.out_features for m in qkv],
+            qkv_bias=None if any(b is None for b in biases) else torch.cat(biases),
+            q_norm=norm_weights(self.q_norm),
+            k_norm=norm_weights(self.k_norm),
+            o=o_proj.packed,
+            o_bias=o_proj.bias,
+            k_cache=cache.k,
+            v_cache=cache.v,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
+            group=binding.kv_group(self.layer_id),
+        )
 
 
 def partial_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -162,6 +226,14 @@ class Qwen3NextDecoderLayer(nn.Module):
         h = self.linear_attn(h, ctx) if self.recurrent else self.self_attn(h, rope["full"], ctx)
         return self.mlp(self.post_attention_layernorm(h, residual)), residual
 
+    def decode_blocks(self, binding: StepBinding) -> list[DecodeBlock] | None:
+        """forward's blocks for the fused decoder, or None where a step cannot run there."""
+        mixer = (self.linear_attn if self.recurrent else self.self_attn).decode_step(binding)
+        mlp = unwrapped(self.mlp).decode_step(binding)
+        if mixer is None or mlp is None:
+            return None
+        return [DecodeBlock(self.input_layernorm, mixer), DecodeBlock(self.post_attention_layernorm, mlp)]
+
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen3NextDecoderLayer
@@ -173,7 +245,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         rope = cfg.rope["full"]
         self.rotary = nn.ModuleDict({"full": Rotary(rope, int(cfg.head_dim * rope.partial_rotary_factor))})
         self.layer_kinds = ["full"]
-        self.fused_decode = True  # decode-only steps as one C++ call (baton/models/fused_hybrid_decode.py)
+        self.fused_decode = True  # decode-only steps as one C++ call (baton/models/fused_decode.py)
         self._fused_states: StateStorage | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -181,20 +253,21 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         rope = {kind: self.rotary[kind](positions, x.dtype) for kind in self.layer_kinds}
         one_token_rows = ctx.state_meta is None or all(s.q_end - s.q_start == 1 for s in ctx.state_meta.seqs)
         if ctx.decode_only and one_token_rows and self._fused_decoder_for(ctx.storage, ctx.states) is not None:
-            return self.fused_decoder(x, rope["full"], ctx)
+            return self.fused_decoder(x, rope, ctx)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, ctx)
         return self.norm(x, residual)
 
-    def _fused_decoder_for(self, storage: KVStorage, states: StateStorage | None = None) -> FusedHybridDecoder | None:
-        """The one-call decode step over `storage` and `states`, built on first use; None where it does not apply."""
+    def _fused_decoder_for(self, storage: KVStorage, states: StateStorage | None = None) -> FusedDecoder | None:
+        """The one-call decode step over `storage` and `states`, built on first use; None where it
+        does not apply (float32 KV, state and norms only: what the bit tests cover)."""
         if not self.fused_decode:
             return None
         if self._fused_storage is not storage or self._fused_states is not states:
             self._fused_storage, self._fused_states = storage, states
-            supported = FusedHybridDecoder.supports(self, storage, states)
-            self.fused_decoder = FusedHybridDecoder(self, storage, states) if supported else None
+            floats = storage.dtype == STATE_DTYPE == self.norm.weight.dtype == torch.float32
+            self.fused_decoder = FusedDecoder.build(self, storage, states) if floats else None
         return self.fused_decoder
 
     _UNFUSED = {"gate_up_proj": ("gate_proj", "up_proj")}

@@ -2,8 +2,11 @@
 
 #include "ops.h"
 
-void bind_fused_decoder(pybind11::module_& m);           // decode.cpp
-void bind_fused_hybrid_decoder(pybind11::module_& m);    // hybrid_decode.cpp
+void bind_fused_decoder(pybind11::module_& m);           // fused_decoder.cpp: the program of layer steps
+void bind_attention_layer(pybind11::module_& m);         // attention_layer.cpp
+void bind_mlp_layer(pybind11::module_& m);               // mlp_layer.cpp
+void bind_gdn_layer(pybind11::module_& m);               // gdn_layer.cpp
+void bind_moe_layer(pybind11::module_& m);               // moe_layer.cpp
 void bind_fused_nemotron_decoder(pybind11::module_& m);  // nemotron_decode.cpp
 void bind_fused_kimi_decoder(pybind11::module_& m);      // kimi_decode.cpp
 
@@ -37,7 +40,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("zeros_on_demand", &zeros_on_demand, "zero bytes on huge pages, resident once touched", release());
   m.def("recurrent_scan_", &recurrent_scan_, "recurrent-state scan over tokens, state in place", release());
   bind_fused_decoder(m);
-  bind_fused_hybrid_decoder(m);
+  bind_attention_layer(m);
+  bind_mlp_layer(m);
+  bind_gdn_layer(m);
+  bind_moe_layer(m);
   bind_fused_nemotron_decoder(m);
   bind_fused_kimi_decoder(m);
 }

@@ -1,6 +1,6 @@
 #pragma once
 // The ops of baton/ops/*.cpp as C++ functions: bound to Python in bindings.cpp and composed by
-// decode.cpp's fused decode step.
+// the fused decoder's layer steps (fused_decoder.h).
 #include <torch/types.h>
 
 #include <vector>

@@ -4,4 +4,6 @@
 #include "paged_attention.cpp"
 #include "linear.cpp"
 #include "pointwise.cpp"
-#include "decode.cpp"
+#include "fused_decoder.cpp"
+#include "attention_layer.cpp"
+#include "mlp_layer.cpp"
