@@ -43,6 +43,17 @@ def norm_weights(norm: RMSNorm | None):
     return ops().NormWeights() if norm is None else ops().NormWeights(norm.weight, norm.eps, norm.offset)
 
 
+def packed_only(*modules: torch.nn.Module) -> bool:
+    """Every linear inside the modules runs on the packed kernels (float32 panels or GGUF blocks)."""
+    linears = [m for module in modules for m in module.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    return all(isinstance(m, PackedLinear) for m in linears)
+
+
+def plain_float32(*weights: torch.Tensor) -> bool:
+    """Weights a step reads as plain float32 tensors (an einsum's or F.linear's very operand)."""
+    return all(w.dtype == torch.float32 for w in weights)
+
+
 def gated_mlp_step(gate_up_proj: torch.nn.Module, down_proj: torch.nn.Module, gelu_tanh: bool):
     """down(act(gate) * up) as a step (baton/ops/mlp_layer.cpp); None unless both projections run
     on the packed kernels (a tensor-parallel down_proj: the decoder sums the output itself)."""
@@ -60,11 +71,12 @@ def gated_mlp_step(gate_up_proj: torch.nn.Module, down_proj: torch.nn.Module, ge
 
 
 class FusedDecoder:
-    def __init__(self, model: torch.nn.Module, blocks: list[DecodeBlock], rope_kinds: list[str]) -> None:
+    def __init__(
+        self, model: torch.nn.Module, blocks: list[DecodeBlock], final_norm: RMSNorm | None, rope_kinds: list[str]
+    ) -> None:
         self.rope_kinds = rope_kinds
-        # a pipeline stage before the last has no final norm: it hands on the residual stream
-        final = model.norm if isinstance(model.norm, RMSNorm) else None
-        self._decoder = ops().FusedDecoder(hidden=model.cfg.hidden_size, final_norm=norm_weights(final))
+        # final_norm None: a pipeline stage before the last, which hands on the residual stream
+        self._decoder = ops().FusedDecoder(hidden=model.cfg.hidden_size, final_norm=norm_weights(final_norm))
         tp = getattr(model, "tp", None)
         if tp is not None and tp.size > 1:  # every block's output is this rank's partial sum
             self._decoder.set_all_reduce(tp.all_reduce)
@@ -74,13 +86,17 @@ class FusedDecoder:
 
     @classmethod
     def build(
-        cls, model: torch.nn.Module, storage: KVStorage, states: StateStorage | None = None
+        cls,
+        model: torch.nn.Module,
+        storage: KVStorage,
+        states: StateStorage | None,
+        final_norm: RMSNorm | None,
+        rope_dims: dict[str, int],
     ) -> FusedDecoder | None:
         """The decoder of `model`'s layers over `storage` and `states`; None where a layer cannot
         run as a step (its `decode_blocks` says None) or the KV cache is of a dtype the steps lack."""
         if storage.dtype not in (torch.float32, torch.float16, torch.bfloat16, FP8):
             return None
-        rope_dims = {kind: model.rotary[kind].inv_freq.numel() * 2 for kind in model.layer_kinds}
         binding = StepBinding(storage, states, rope_dims)
         blocks = []
         for layer in model.layers:
@@ -88,7 +104,7 @@ class FusedDecoder:
             if declared is None:
                 return None
             blocks += declared
-        return cls(model, blocks, list(rope_dims))
+        return cls(model, blocks, final_norm, list(rope_dims))
 
     def set_profiling(self, on: bool) -> None:
         """With profiling on, each step adds the wall time of its parts to `profile()`."""
@@ -107,6 +123,39 @@ class FusedDecoder:
             [rope[kind][1] for kind in self.rope_kinds],
             *step_arguments(ctx),
         )
+
+
+class FusedDecoding:
+    """A model whose decode-only steps run as one call: `fused_decoder` over the storage and
+    states of the step, built on first use, unless `fused_decode` is off or does not apply. The
+    model gives its final norm (`fused_final_norm`) and rope widths (`fused_rope_dims`)."""
+
+    fused_decode = True
+    fused_decoder: FusedDecoder | None = None
+    _fused_for: tuple[object, object] | None = None  # the storage and states fused_decoder was decided for
+
+    def _fused_decoder_for(self, storage: KVStorage, states: StateStorage | None = None) -> FusedDecoder | None:
+        if not self.fused_decode:
+            return None
+        if self._fused_for is None or self._fused_for[0] is not storage or self._fused_for[1] is not states:
+            self._fused_for = (storage, states)
+            applies = self.fused_decode_applies(storage, states)
+            build = FusedDecoder.build
+            self.fused_decoder = (
+                build(self, storage, states, self.fused_final_norm(), self.fused_rope_dims()) if applies else None
+            )
+        return self.fused_decoder
+
+    def fused_decode_applies(self, storage: KVStorage, states: StateStorage | None) -> bool:
+        """What the fused step needs beyond each layer's steps (a family may narrow it to what its
+        bit tests cover)."""
+        return True
+
+    def fused_final_norm(self) -> RMSNorm | None:
+        raise NotImplementedError
+
+    def fused_rope_dims(self) -> dict[str, int]:
+        return {}
 
 
 def step_arguments(ctx) -> list:

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from baton.kv.spec import LayerKind
-from baton.models.layers import RMSNorm, Rotary, paged_attention
+from baton.models.fused_decode import DecodeBlock, StepBinding
+from baton.models.layers import RMSNorm, Rotary, paged_attention, unwrapped
 from baton.models.llama import Attention, ForwardContext, GatedMLP, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import GroupedSigmoidMoE
@@ -37,6 +38,8 @@ def layer_kinds(hf: dict[str, Any]) -> list[LayerKind]:
 
 class GlmAttention(Attention):
     """Llama's attention without an o_proj bias, with q/k norm by `use_qk_norm`, partial rotary."""
+
+    partial_rotary = True
 
     def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
         super().__init__(cfg, layer_id)
@@ -95,6 +98,13 @@ class Glm4MoeDecoderLayer(nn.Module):
         h = self.self_attn(h, rope["full"], ctx)
         return self.mlp(self.post_attention_layernorm(h, residual)), residual
 
+    def decode_blocks(self, binding: StepBinding) -> list[DecodeBlock] | None:
+        """forward's blocks for the fused decoder, or None where a step cannot run there."""
+        attn, mlp = self.self_attn.decode_step(binding), unwrapped(self.mlp).decode_step(binding)
+        if attn is None or mlp is None:
+            return None
+        return [DecodeBlock(self.input_layernorm, attn), DecodeBlock(self.post_attention_layernorm, mlp)]
+
 
 class MtpLayer(nn.Module):
     """norm(embedding) and norm(previous hidden) -> eh_proj -> a decoder layer -> shared_head.norm."""
@@ -125,13 +135,14 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         rope = cfg.rope["full"]
         self.rotary = nn.ModuleDict({"full": Rotary(rope, int(cfg.head_dim * rope.partial_rotary_factor))})
         self.layer_kinds = ["full"]
-        self.fused_decode = False  # the one-call decode step is Llama's (full rotary, dense MLP)
         self.mtp = nn.ModuleList([MtpLayer(cfg, cfg.num_layers + i) for i in range(num_mtp_layers(cfg.hf))])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The final (normed) hidden state of every row: the logits' input, and the MTP layers'."""
         x = self.embed(input_ids)
         rope = {"full": self.rotary["full"](positions, x.dtype)}
+        if ctx.decode_only and self._fused_decoder_for(ctx.storage) is not None:
+            return self.fused_decoder(x, rope, ctx)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, ctx)

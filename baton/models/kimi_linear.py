@@ -15,16 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.kv.spec import LayerKind
+from baton.kv.spec import STATE_DTYPE, LayerKind
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.fused_kimi_decode import FusedKimiDecoder
-from baton.models.layers import RMSNorm
+from baton.models.fused_decode import DecodeBlock, StepBinding, packed_only
+from baton.models.layers import RMSNorm, unwrapped
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.mla import MLAttention
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import MLP, GroupedSigmoidMoE
 from baton.models.recurrent import conv_over_segments, scan_over_segments, segments
+from baton.ops import ops
 
 
 def _get(hf: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -117,6 +118,34 @@ class KimiDeltaAttention(nn.Module):
         out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
         return self.o_proj((out * gate.sigmoid()).to(x.dtype).reshape(n, -1))
 
+    def decode_step(self, binding: StepBinding):
+        """This layer as a fused decoder's step (baton/ops/recurrent_layers.cpp); None without
+        recurrent state or with a projection off the packed kernels."""
+        o_proj = unwrapped(self.o_proj)
+        if binding.states is None or not packed_only(self, o_proj):
+            return None
+        (conv_state, rec_state), (conv_ckpt, rec_ckpt) = binding.states.layer(self.layer_id)
+        return ops().KdaStep(
+            heads=self.heads,
+            head_dim=self.dim,
+            conv_kernel=self.conv_weight.shape[1],
+            hidden=o_proj.out_features,
+            in_proj=self.in_proj.packed,
+            o_proj=o_proj.packed,
+            conv_weight=self.conv_weight.float().contiguous(),
+            f_b=self.f_b_proj.packed,
+            g_b=self.g_b_proj.packed,
+            dt_bias=self.dt_bias.float().contiguous(),
+            # forward's -A_log.float().exp(): the same op on the same [h], once
+            neg_exp_a=(-self.A_log.float().exp()).contiguous(),
+            o_norm=self.o_norm.weight.float().contiguous(),
+            norm_eps=self.eps,
+            conv_state=conv_state,
+            rec_state=rec_state,
+            conv_checkpoints=conv_ckpt,
+            rec_checkpoints=rec_ckpt,
+        )
+
 
 class KimiDecoderLayer(nn.Module):
     def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
@@ -152,9 +181,16 @@ class KimiDecoderLayer(nn.Module):
         h = self.self_attn(h, ctx)
         return self.mlp(self.post_attention_layernorm(h, residual)), residual
 
+    def decode_blocks(self, binding: StepBinding) -> list[DecodeBlock] | None:
+        """forward's blocks for the fused decoder, or None where a step cannot run there."""
+        mixer, mlp = self.self_attn.decode_step(binding), unwrapped(self.mlp).decode_step(binding)
+        if mixer is None or mlp is None:
+            return None
+        return [DecodeBlock(self.input_layernorm, mixer), DecodeBlock(self.post_attention_layernorm, mlp)]
+
 
 class KimiLinearForCausalLM(LlamaForCausalLM):
-    """No rotary anywhere (NoPE MLA); decode-only steps as one C++ call (baton/models/fused_kimi_decode.py)."""
+    """No rotary anywhere (NoPE MLA); decode-only steps as one C++ call (baton/models/fused_decode.py)."""
 
     layer_cls = KimiDecoderLayer
     layer_kinds_from = staticmethod(layer_kinds)
@@ -166,28 +202,22 @@ class KimiLinearForCausalLM(LlamaForCausalLM):
         self.rotary = nn.ModuleDict()
         self.layer_kinds = []
         self.fused_decode = True
-        self._fused_states: StateStorage | None = None
         self._weight_map: dict[str, tuple[str, int | None, tuple[int, ...]]] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed(input_ids)
         one_token_rows = ctx.state_meta is None or all(s.q_end - s.q_start == 1 for s in ctx.state_meta.seqs)
         if ctx.decode_only and one_token_rows and self._fused_decoder_for(ctx.storage, ctx.states) is not None:
-            return self.fused_decoder(x, ctx)
+            return self.fused_decoder(x, {}, ctx)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         return self.norm(x, residual)
 
-    def _fused_decoder_for(self, storage: KVStorage, states: StateStorage | None = None) -> FusedKimiDecoder | None:
-        """The one-call decode step over `storage` and `states`, built on first use; None where it does not apply."""
-        if not self.fused_decode:
-            return None
-        if self._fused_storage is not storage or self._fused_states is not states:
-            self._fused_storage, self._fused_states = storage, states
-            supported = FusedKimiDecoder.supports(self, storage, states)
-            self.fused_decoder = FusedKimiDecoder(self, storage, states) if supported else None
-        return self.fused_decoder
+    def fused_decode_applies(self, storage: KVStorage, states: StateStorage | None) -> bool:
+        """float32 KV, state and norms: what the bit tests cover."""
+        final = self.fused_final_norm()  # None on a pipeline stage before the last
+        return storage.dtype == STATE_DTYPE == torch.float32 and (final is None or final.weight.dtype == torch.float32)
 
     # ---- weights: checkpoint names in, fused parameters out ------------------------------------
     def _hf_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int | None, tuple[int, ...]]]:

@@ -10,7 +10,7 @@ from torch import nn
 
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage, LayerKV
-from baton.models.fused_decode import DecodeBlock, FusedDecoder, StepBinding, gated_mlp_step, norm_weights
+from baton.models.fused_decode import DecodeBlock, FusedDecoding, StepBinding, gated_mlp_step, norm_weights
 from baton.models.gguf_blocks import BlockTensor, BlockWeight, stack_rows
 from baton.models.layers import (
     BlockEmbedding,
@@ -48,6 +48,8 @@ class ForwardContext:
 
 class Attention(nn.Module):
     """Fused qkv projection (one matmul instead of three), optional q/k norm, paged KV."""
+
+    partial_rotary = False  # rotary over whole heads by baton's op (a subclass: the first channels, as torch ops)
 
     def __init__(self, cfg: TextModelConfig, layer_id: int, norm_offset: float = 0.0) -> None:
         super().__init__()
@@ -92,7 +94,8 @@ class Attention(nn.Module):
             hidden=o_proj.out_features,
             scale=self.scale,
             rope=binding.rope(self.kind),
-            rotary_dim=self.head_dim,
+            rotary_dim=binding.rope_dims[self.kind] if self.partial_rotary else self.head_dim,
+            torch_rotary=self.partial_rotary,
             qkv=[p.packed for p in self.qkv_proj.parts()],
             qkv_rows=[p.out_features for p in self.qkv_proj.parts()],
             qkv_bias=self.qkv_proj.bias,
@@ -150,7 +153,7 @@ class LlamaDecoderLayer(nn.Module):
         return [DecodeBlock(self.input_layernorm, attn), DecodeBlock(self.post_attention_layernorm, mlp)]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(FusedDecoding, nn.Module):
     """Also serves Mistral, Qwen2 and Qwen3: their differences are config flags."""
 
     layer_cls = LlamaDecoderLayer
@@ -166,8 +169,6 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = nn.ModuleDict({kind: Rotary(rope, cfg.head_dim) for kind, rope in cfg.rope.items()})
         self.layer_kinds = [k for k in dict.fromkeys(kind.name for kind in cfg.layer_kinds) if k in self.rotary]
         self.fused_decode = True  # decode-only steps as one C++ call where every layer has its steps
-        self.fused_decoder: FusedDecoder | None = None
-        self._fused_storage: KVStorage | None = None  # the storage fused_decoder was decided for
         self.block_weights: dict[str, BlockWeight] = {}  # weights kept in GGUF blocks, by parameter name
         self._block_parts: dict[str, list[BlockTensor | None]] = {}  # a fused projection's parts so far
         self.requires_grad_(False)
@@ -185,14 +186,11 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, rope, ctx)
         return self.norm(x, residual)
 
-    def _fused_decoder_for(self, storage: KVStorage) -> FusedDecoder | None:
-        """The one-call decode step over `storage`, built on first use; None where it does not apply."""
-        if not self.fused_decode:
-            return None
-        if self._fused_storage is not storage:
-            self._fused_storage = storage
-            self.fused_decoder = FusedDecoder.build(self, storage)
-        return self.fused_decoder
+    def fused_final_norm(self) -> RMSNorm | None:
+        return self.norm if isinstance(self.norm, RMSNorm) else None  # a pipeline stage before the last: none
+
+    def fused_rope_dims(self) -> dict[str, int]:
+        return {kind: self.rotary[kind].inv_freq.numel() * 2 for kind in self.layer_kinds}
 
     def pack_linears(self, quantization: str | None = None) -> None:
         """Run the projections and the lm_head on baton's packed kernels (after loading): in the GGUF

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.storage import LayerKV
-from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq, RMSNorm
+from baton.models.fused_decode import StepBinding, packed_only, plain_float32
+from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq, RMSNorm, unwrapped
 from baton.models.model_config import TextModelConfig
+from baton.ops import ops
 
 LATENT_NORM_EPS = 1e-6  # kv_a_layernorm / q_a_layernorm are built without eps: the class default
 
@@ -46,6 +48,39 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Module()
         self.kv_b_proj.weight = nn.Parameter(torch.empty(self.num_heads * (self.dn + self.dv), self.rank))
         self.o_proj = nn.Linear(self.num_heads * self.dv, h, bias=bias)
+
+    def decode_step(self, binding: StepBinding):
+        """This attention as a fused decoder's step for decode rows (baton/ops/mla_layer.cpp); None
+        unless its projections run on the packed kernels, kv_b_proj's weight (the absorbed
+        einsum's very operand, never packed) is float32 and the latent cache is float32."""
+        o_proj = unwrapped(self.o_proj)
+        lora = not hasattr(self, "q_proj")
+        cache = binding.storage.layer_kv(self.layer_id).k
+        if not packed_only(self, o_proj) or not plain_float32(self.kv_b_proj.weight, cache):
+            return None
+        return ops().MlaStep(
+            heads=self.num_heads,
+            kv_lora_rank=self.rank,
+            nope_dim=self.dn,
+            rope_dim=self.dr,
+            v_dim=self.dv,
+            hidden=o_proj.out_features,
+            q_lora_rank=self.q_a_proj.out_features if lora else 0,
+            scale=self.scale,
+            q_proj=None if lora else self.q_proj.packed,
+            q_a=self.q_a_proj.packed if lora else None,
+            q_a_bias=_bias(self.q_a_proj) if lora else None,
+            q_a_norm=self.q_a_layernorm.weight if lora else None,
+            q_b=self.q_b_proj.packed if lora else None,
+            kv_a=self.kv_a_proj_with_mqa.packed,
+            kv_a_bias=_bias(self.kv_a_proj_with_mqa),
+            kv_a_norm=self.kv_a_layernorm.weight,
+            kv_b=self.kv_b_proj.weight,
+            o_proj=o_proj.packed,
+            o_bias=_bias(o_proj),
+            k_cache=cache,
+            group=binding.kv_group(self.layer_id),
+        )
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, dn, R] and W_UV [H, dv, R]: views of kv_b_proj's weight."""
@@ -160,3 +195,7 @@ def tiled_attention(
         out = out * (lse - merged).exp()[..., None] + tile_out * (tile_lse - merged).exp()[..., None]
         lse = merged
     return out
+
+
+def _bias(linear: torch.nn.Module) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.float().contiguous()

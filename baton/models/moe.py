@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.models.fused_decode import StepBinding, gated_mlp_step
+from baton.models.fused_decode import StepBinding, gated_mlp_step, packed_only, plain_float32
 from baton.models.layers import PackedLinear, gated_activation
 from baton.models.model_config import TextModelConfig
 from baton.ops import ops
@@ -79,7 +79,7 @@ class SparseMoE(nn.Module):
         linears += [self.shared_expert_gate] if self.shared_expert_gate is not None else []
         if not all(isinstance(m, PackedLinear) for m in linears):
             return None
-        return ops().SoftmaxMoeStep(
+        return ops().MoeStep(
             hidden=self.gate.in_features,
             router=self.gate.packed,
             top_k=self.top_k,
@@ -176,3 +176,30 @@ class GroupedSigmoidMoE(nn.Module):
         weights, ids = self.gate(x)
         out = run_experts(self.experts, x, weights.to(x.dtype), ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)
+
+    def decode_step(self, binding: StepBinding):
+        """This MoE as a fused decoder's step (baton/ops/moe_layer.cpp); None unless its experts run
+        on the packed kernels and the router's weight is plain float32."""
+        gate = self.gate
+        if not packed_only(self.experts, *([self.shared_experts] if self.shared_experts is not None else [])):
+            return None
+        if not plain_float32(gate.weight):
+            return None
+        args = expert_arguments(self.experts, self.shared_experts)
+        return ops().MoeStep(
+            hidden=gate.weight.shape[1],
+            router_weight=gate.weight,  # F.linear's very operand: plain, never packed
+            correction_bias=gate.e_score_correction_bias.float().contiguous(),
+            top_k=gate.top_k,
+            n_group=gate.n_group,
+            topk_group=gate.topk_group,
+            norm_topk_prob=gate.norm_topk_prob,
+            routed_scaling_factor=gate.routed_scaling_factor,
+            relu2=False,
+            expert_in=args["expert_gate_up"],
+            expert_out=args["expert_down"],
+            moe_intermediate=args["moe_intermediate"],
+            shared_in=args["shared_gate_up"],
+            shared_out=args["shared_down"],
+            shared_intermediate=args["shared_intermediate"],
+        )

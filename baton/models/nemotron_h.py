@@ -14,15 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.kv.spec import LayerKind
+from baton.kv.spec import STATE_DTYPE, LayerKind
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.fused_nemotron_decode import FusedNemotronDecoder
-from baton.models.layers import RMSNorm, embedding, pack_linears, paged_attention
+from baton.models.fused_decode import DecodeBlock, FusedDecoding, StepBinding, norm_weights, packed_only, plain_float32
+from baton.models.layers import RMSNorm, embedding, pack_linears, paged_attention, unwrapped
 from baton.models.llama import ForwardContext
 from baton.models.model_config import TextModelConfig
-from baton.models.moe import SigmoidRouter, run_experts
+from baton.models.moe import ExpertElsewhere, SigmoidRouter, run_experts
 from baton.models.recurrent import conv_over_segments, scan_over_segments, segments
+from baton.ops import ops
 
 # layer type names: transformers 5 (and the pattern string's letters), then transformers 4's
 _TYPES = {
@@ -115,6 +116,40 @@ class Mamba2Mixer(nn.Module):
         y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(t, -1)
         return self.out_proj((self.norm.weight.float() * y).to(x.dtype))
 
+    def decode_step(self, binding: StepBinding):
+        """This mixer as a fused decoder's step (baton/ops/recurrent_layers.cpp); None without
+        recurrent state or with a projection off the packed kernels."""
+        out_proj = unwrapped(self.out_proj)
+        if binding.states is None or not packed_only(self, out_proj):
+            return None
+        (conv_state, ssm_state), (conv_ckpt, ssm_ckpt) = binding.states.layer(self.layer_id)
+        conv_bias = self.conv1d.bias
+        return ops().MambaStep(
+            heads=self.nh,
+            head_dim=self.p,
+            groups=self.g,
+            state_size=self.n,
+            conv_kernel=self.conv1d.weight.shape[-1],
+            hidden=out_proj.out_features,
+            in_proj=self.in_proj.packed,
+            in_bias=_bias(self.in_proj),
+            out_proj=out_proj.packed,
+            out_bias=_bias(out_proj),
+            conv_weight=self.conv1d.weight[:, 0].float().contiguous(),
+            conv_bias=None if conv_bias is None else conv_bias.float().contiguous(),
+            # forward's -A_log.float().exp(): the same op on the same [nh], once
+            neg_exp_a=(-self.A_log.float().exp()).contiguous(),
+            dt_bias=self.dt_bias.float().contiguous(),
+            d=self.D.float().contiguous(),
+            norm_weight=self.norm.weight.float().contiguous(),
+            dt_min=self.dt_min,
+            norm_eps=self.eps,
+            conv_state=conv_state,
+            ssm_state=ssm_state,
+            conv_checkpoints=conv_ckpt,
+            ssm_checkpoints=ssm_ckpt,
+        )
+
 
 class NoPEAttention(nn.Module):
     """Causal GQA over the paged cache; no rotary, no q/k norm, no biases."""
@@ -138,6 +173,37 @@ class NoPEAttention(nn.Module):
         cache, meta = ctx.for_layer(self.layer_id)
         return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale).reshape(n, -1))
 
+    def decode_step(self, binding: StepBinding):
+        """This attention as a fused decoder's step (baton/ops/attention_layer.cpp, no rotary);
+        None with a projection off the packed kernels."""
+        o_proj = unwrapped(self.o_proj)
+        qkv = (self.q_proj, self.k_proj, self.v_proj)
+        if not packed_only(self, o_proj):
+            return None
+        cache = binding.storage.layer_kv(self.layer_id)
+        return ops().AttentionStep(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            hidden=o_proj.out_features,
+            scale=self.scale,
+            rope=0,
+            rotary_dim=0,
+            torch_rotary=True,
+            qkv=[m.packed for m in qkv],
+            qkv_rows=[m.out_features for m in qkv],
+            qkv_bias=None,
+            q_norm=norm_weights(None),
+            k_norm=norm_weights(None),
+            o=o_proj.packed,
+            o_bias=o_proj.bias,
+            k_cache=cache.k,
+            v_cache=cache.v,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
+            group=binding.kv_group(self.layer_id),
+        )
+
 
 class Relu2MLP(nn.Module):
     """down(relu(up(x))^2): not gated."""
@@ -149,6 +215,20 @@ class Relu2MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         return self.down_proj(F.relu(self.up_proj(x)).square())
+
+    def decode_step(self, binding: StepBinding):
+        """This MLP as a fused decoder's step (baton/ops/mlp_layer.cpp); None off the packed kernels."""
+        down = unwrapped(self.down_proj)
+        if not packed_only(self, down):
+            return None
+        return ops().Relu2MlpStep(
+            up=self.up_proj.packed,
+            up_bias=_bias(self.up_proj),
+            down=down.packed,
+            down_bias=_bias(down),
+            intermediate=self.up_proj.out_features,
+            hidden=down.out_features,
+        )
 
 
 class NemotronHMoE(nn.Module):
@@ -184,6 +264,43 @@ class NemotronHMoE(nn.Module):
             out = self.fc2_latent_proj(out)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
+    def decode_step(self, binding: StepBinding):
+        """This MoE as a fused decoder's step (baton/ops/moe_layer.cpp); None unless its linears run
+        on the packed kernels and the router's weight is plain float32."""
+        gate, shared = self.gate, self.shared_experts
+        fc1, fc2 = self.fc1_latent_proj, self.fc2_latent_proj
+        experts = self.experts
+        if not packed_only(*[m for m in (*experts, shared, fc1, fc2) if m is not None]):
+            return None
+        if not plain_float32(gate.weight):
+            return None
+        absent = torch.empty(0)  # tensor parallel: an expert another rank holds
+        here = [e for e in experts if not isinstance(e, ExpertElsewhere)]
+        return ops().MoeStep(
+            hidden=gate.weight.shape[1],
+            router_weight=gate.weight,  # F.linear's very operand: plain, never packed
+            correction_bias=gate.e_score_correction_bias.float().contiguous(),
+            top_k=gate.top_k,
+            n_group=gate.n_group,
+            topk_group=gate.topk_group,
+            norm_topk_prob=gate.norm_topk_prob,
+            routed_scaling_factor=gate.routed_scaling_factor,
+            relu2=True,
+            expert_in=[absent if isinstance(e, ExpertElsewhere) else e.up_proj.packed for e in experts],
+            expert_out=[absent if isinstance(e, ExpertElsewhere) else e.down_proj.packed for e in experts],
+            moe_intermediate=here[0].up_proj.out_features if here else 1,
+            fc1=None if fc1 is None else fc1.packed,
+            fc1_bias=None if fc1 is None else _bias(fc1),
+            fc2=None if fc2 is None else fc2.packed,
+            fc2_bias=None if fc2 is None else _bias(fc2),
+            width=gate.weight.shape[1] if fc1 is None else fc1.out_features,
+            shared_in=None if shared is None else shared.up_proj.packed,
+            shared_in_bias=None if shared is None else _bias(shared.up_proj),
+            shared_out=None if shared is None else shared.down_proj.packed,
+            shared_out_bias=None if shared is None else _bias(shared.down_proj),
+            shared_intermediate=0 if shared is None else shared.up_proj.out_features,
+        )
+
 
 class NemotronHBlock(nn.Module):
     """x + mixer(RMSNorm(x)): one norm, one mixer."""
@@ -210,8 +327,13 @@ class NemotronHBlock(nn.Module):
             h = self.norm(x, residual)
         return self.mixer(h, ctx), residual
 
+    def decode_blocks(self, binding: StepBinding) -> list[DecodeBlock] | None:
+        """forward's block for the fused decoder, or None where its mixer cannot run there."""
+        step = unwrapped(self.mixer).decode_step(binding)
+        return None if step is None else [DecodeBlock(self.norm, step)]
 
-class NemotronHForCausalLM(nn.Module):
+
+class NemotronHForCausalLM(FusedDecoding, nn.Module):
     layer_kinds_from = staticmethod(layer_kinds)
 
     def __init__(self, cfg: TextModelConfig) -> None:
@@ -224,30 +346,25 @@ class NemotronHForCausalLM(nn.Module):
         self.layers = nn.ModuleList(NemotronHBlock(cfg, i, t) for i, t in enumerate(types))
         self.norm_f = RMSNorm(cfg.hidden_size, _eps(cfg))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.fused_decode = True  # decode-only steps as one C++ call (baton/models/fused_nemotron_decode.py)
-        self.fused_decoder: FusedNemotronDecoder | None = None
-        self._fused_storage: KVStorage | None = None  # the storage and states fused_decoder was decided for
-        self._fused_states: StateStorage | None = None
+        self.fused_decode = True  # decode-only steps as one C++ call (baton/models/fused_decode.py)
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embeddings(input_ids), None  # no positional encoding anywhere
         one_token_rows = ctx.state_meta is None or all(s.q_end - s.q_start == 1 for s in ctx.state_meta.seqs)
         if ctx.decode_only and one_token_rows and self._fused_decoder_for(ctx.storage, ctx.states) is not None:
-            return self.fused_decoder(x, ctx)
+            return self.fused_decoder(x, {}, ctx)
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         return self.norm_f(x, residual)
 
-    def _fused_decoder_for(self, storage: KVStorage, states: StateStorage | None = None) -> FusedNemotronDecoder | None:
-        """The one-call decode step over `storage` and `states`, built on first use; None where it does not apply."""
-        if not self.fused_decode:
-            return None
-        if self._fused_storage is not storage or self._fused_states is not states:
-            self._fused_storage, self._fused_states = storage, states
-            supported = FusedNemotronDecoder.supports(self, storage, states)
-            self.fused_decoder = FusedNemotronDecoder(self, storage, states) if supported else None
-        return self.fused_decoder
+    def fused_decode_applies(self, storage: KVStorage, states: StateStorage | None) -> bool:
+        """float32 KV, state and norms: what the bit tests cover."""
+        final = self.fused_final_norm()  # None on a pipeline stage before the last
+        return storage.dtype == STATE_DTYPE == torch.float32 and (final is None or final.weight.dtype == torch.float32)
+
+    def fused_final_norm(self) -> RMSNorm | None:
+        return self.norm_f if isinstance(self.norm_f, RMSNorm) else None  # a pipeline stage before the last: none
 
     def pack_linears(self, quantization: str | None = None) -> None:
         if self.lm_head is None:
@@ -268,3 +385,7 @@ class NemotronHForCausalLM(nn.Module):
     def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
         name = hf_name.removeprefix("backbone.").removeprefix("model.")
         self.get_parameter(name).data.copy_(tensor)
+
+
+def _bias(linear: torch.nn.Module) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.float().contiguous()

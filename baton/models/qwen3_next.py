@@ -13,7 +13,7 @@ from torch import nn
 from baton.kv.spec import STATE_DTYPE, LayerKind
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.fused_decode import DecodeBlock, FusedDecoder, StepBinding, norm_weights
+from baton.models.fused_decode import DecodeBlock, StepBinding, norm_weights
 from baton.models.layers import PackedLinear, RMSNorm, Rotary, paged_attention, unwrapped
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
@@ -246,7 +246,6 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         self.rotary = nn.ModuleDict({"full": Rotary(rope, int(cfg.head_dim * rope.partial_rotary_factor))})
         self.layer_kinds = ["full"]
         self.fused_decode = True  # decode-only steps as one C++ call (baton/models/fused_decode.py)
-        self._fused_states: StateStorage | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed(input_ids)
@@ -259,16 +258,10 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
             x, residual = layer(x, residual, rope, ctx)
         return self.norm(x, residual)
 
-    def _fused_decoder_for(self, storage: KVStorage, states: StateStorage | None = None) -> FusedDecoder | None:
-        """The one-call decode step over `storage` and `states`, built on first use; None where it
-        does not apply (float32 KV, state and norms only: what the bit tests cover)."""
-        if not self.fused_decode:
-            return None
-        if self._fused_storage is not storage or self._fused_states is not states:
-            self._fused_storage, self._fused_states = storage, states
-            floats = storage.dtype == STATE_DTYPE == self.norm.weight.dtype == torch.float32
-            self.fused_decoder = FusedDecoder.build(self, storage, states) if floats else None
-        return self.fused_decoder
+    def fused_decode_applies(self, storage: KVStorage, states: StateStorage | None) -> bool:
+        """float32 KV, state and norms: what the bit tests cover."""
+        final = self.fused_final_norm()  # None on a pipeline stage before the last
+        return storage.dtype == STATE_DTYPE == torch.float32 and (final is None or final.weight.dtype == torch.float32)
 
     _UNFUSED = {"gate_up_proj": ("gate_proj", "up_proj")}
 

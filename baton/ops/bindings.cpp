@@ -7,8 +7,8 @@ void bind_attention_layer(pybind11::module_& m);         // attention_layer.cpp
 void bind_mlp_layer(pybind11::module_& m);               // mlp_layer.cpp
 void bind_gdn_layer(pybind11::module_& m);               // gdn_layer.cpp
 void bind_moe_layer(pybind11::module_& m);               // moe_layer.cpp
-void bind_fused_nemotron_decoder(pybind11::module_& m);  // nemotron_decode.cpp
-void bind_fused_kimi_decoder(pybind11::module_& m);      // kimi_decode.cpp
+void bind_mla_layer(pybind11::module_& m);               // mla_layer.cpp
+void bind_recurrent_layers(pybind11::module_& m);        // recurrent_layers.cpp: KDA, Mamba2
 
 // Every op releases the GIL while it runs (its arguments are converted before, its result after),
 // so Python threads such as the server's event loop go on meanwhile. No op touches a Python object.
@@ -44,6 +44,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_mlp_layer(m);
   bind_gdn_layer(m);
   bind_moe_layer(m);
-  bind_fused_nemotron_decoder(m);
-  bind_fused_kimi_decoder(m);
+  bind_mla_layer(m);
+  bind_recurrent_layers(m);
 }

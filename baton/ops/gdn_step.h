@@ -1,6 +1,6 @@
 #pragma once
 // Gated DeltaNet for one decode token per row, in the stages of GatedDeltaNet.forward between its
-// input projections and out_proj (gdn_step.cpp); FusedHybridDecoder::delta_net runs them in order.
+// input projections and out_proj (gdn_step.cpp); GdnStep (gdn_layer.cpp) runs them in order.
 // Each stage has the bits of the module path's torch ops (torch_rounding.h).
 #include <torch/types.h>
 

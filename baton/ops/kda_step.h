@@ -1,6 +1,6 @@
 #pragma once
 // Kimi Delta Attention for one decode token per row, in the stages of KimiDeltaAttention.forward
-// between in_proj and o_proj (kda_step.cpp); FusedKimiDecoder::kda runs them in order. The conv has
+// between in_proj and o_proj (kda_step.cpp); KdaStep (recurrent_layers.cpp) runs them in order. The conv has
 // the bits of the module path's conv1d (torch_rounding.h, step_common.h); the rest runs the module
 // path's very ATen ops on the same views (its l2norm's torch.sqrt is MKL's, not libm's), the delta
 // rule recurrent_scan_ itself, one call per row as the module path makes it.

@@ -1,6 +1,6 @@
 #pragma once
 // Mamba2 for one decode token per row, in the stages of Mamba2Mixer.forward between in_proj and
-// out_proj (mamba_step.cpp); FusedNemotronDecoder::mamba runs them in order. Each stage has the
+// out_proj (mamba_step.cpp); MambaStep (recurrent_layers.cpp) runs them in order. Each stage has the
 // bits of the module path's torch ops (torch_rounding.h): the scan step is recurrent_scan_'s
 // arithmetic without beta, with q = C, k = B, v = dt x, decay = dt A over the state [heads, N, P].
 #include <torch/types.h>

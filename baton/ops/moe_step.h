@@ -1,7 +1,7 @@
 #pragma once
-// SparseMoE.forward for the fused hybrid decode step (moe_step.cpp), in its stages: softmax routing
-// and top-k, the routed experts, the shared expert. FusedHybridDecoder::moe runs them in order,
-// after the router's linear; each has the bits of the module path (baton/models/moe.py).
+// The stages of the mixtures of experts in baton/models/moe.py for the fused decoder (moe_step.cpp):
+// softmax routing and top-k, the routed experts, the shared expert. MoeStep (moe_layer.cpp) runs
+// them in order, after the router; each has the bits of the module path.
 #include <torch/types.h>
 
 #include <cstdint>

@@ -45,6 +45,10 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
 void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& weight, double eps, double offset);
 void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor gated_act(const torch::Tensor& x, bool gelu_tanh);
+// down(relu(up(x) + up_bias)^2) + down_bias over packed weights (mlp_layer.cpp): NemotronH's MLP
+torch::Tensor relu2_mlp(const torch::Tensor& x, const torch::Tensor& up, const c10::optional<torch::Tensor>& up_bias,
+                        const torch::Tensor& down, const c10::optional<torch::Tensor>& down_bias,
+                        int64_t intermediate, int64_t out_features);
 // logits[rows[i], t] = -inf wherever bit t of bitmask[i] (int32 words, a bit per token) is clear
 void apply_token_bitmask_(torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& bitmask);
 torch::Tensor empty_huge_pages(int64_t nbytes);

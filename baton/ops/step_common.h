@@ -1,7 +1,6 @@
 #pragma once
-// What the fused decode steps of the recurrent hybrids (hybrid_decode.h: Qwen3-Next;
-// nemotron_decode.h: NemotronH) share: the checks of their weights and of a step's KV and state
-// metadata before any write, one channel of a causal conv over its slot's window, and the state
+// What the fused decoder's layer steps (fused_decoder.h) share: the checks of their weights and of
+// a step's KV and state metadata before any write, one channel of a causal conv over its slot's window, and the state
 // checkpoints a decode row takes before or after its token (baton/models/recurrent.py's segments).
 #include <torch/types.h>
 

@@ -1,6 +1,6 @@
 #pragma once
-// torch's ops replicated with torch's own rounding, for the fused hybrid decode step (hybrid_decode.h),
-// whose rows must have the bits of the module path's torch ops:
+// torch's ops replicated with torch's own rounding, for the fused decoder's layer steps
+// (fused_decoder.h), whose rows must have the bits of the module path's torch ops:
 //  - elementwise ops (sigmoid, silu, softplus) as torch's cpu_kernel_vec runs them: over the
 //    tensor's contiguous runs, two vectors at a time with the vector function (Sleef), the tail
 //    element by element with the scalar one (libm), split across threads as at::parallel_for

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 from baton.engine.scheduler import ScheduledRequest
-from baton.models.llama import LlamaForCausalLM
 from baton.parallel.comm import TPGroup
 from baton.parallel.shard import even_split
 
@@ -80,8 +79,6 @@ def cut_stage(model: nn.Module, stage: Stage) -> None:
         elif f"layers.{parts[1]}." in moved:
             blocks[moved[f"layers.{parts[1]}."] + ".".join(parts[2:])] = weight
     model.block_weights = blocks
-    if type(model).forward is not LlamaForCausalLM.forward:  # the hybrids' one-call steps run a whole model
-        model.fused_decode = False
     if not stage.is_first:
         model.stage_input = StageInput()
         if hasattr(model, "embeddings"):  # Nemotron-H names it so and calls it directly

@@ -1,6 +1,7 @@
-"""The recurrent families' decode-only steps as one C++ call (baton/models/fused_hybrid_decode.py,
-fused_kimi_decode.py, fused_nemotron_decode.py): the bits of the module-by-module path, prefix-cache
-hits, and state checkpoints (Gated DeltaNet, KDA, Mamba2) taken during decode."""
+"""The hybrid and MoE families' decode-only steps as one C++ call (baton/models/fused_decode.py
+over each layer's declared steps): the bits of the module-by-module path, prefix-cache hits, and
+state checkpoints (Gated DeltaNet, KDA, Mamba2) taken during decode. (The Llama family's are in
+test_batching.py and test_random_models.py.)"""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import pytest
 
 from baton import LLM, SamplingParams
 from tests.test_kimi_linear import kimi  # noqa: F401  (the random model fixtures)
+from tests.test_mtp import glm  # noqa: F401
 from tests.test_nemotron_h import nemotron  # noqa: F401
 from tests.test_recurrent_hybrid import _ids, qwen3_next  # noqa: F401
 
-FAMILIES = pytest.mark.parametrize("family", ["qwen3_next", "kimi", "nemotron"])
+FAMILIES = pytest.mark.parametrize("family", ["qwen3_next", "kimi", "nemotron", "glm"])
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 
