@@ -54,6 +54,64 @@ def plain_float32(*weights: torch.Tensor) -> bool:
     return all(w.dtype == torch.float32 for w in weights)
 
 
+def attention_step(
+    attn: torch.nn.Module,
+    binding: StepBinding,
+    qkv: list[PackedLinear],
+    *,
+    rope: str | None,
+    torch_rotary: bool = False,
+    output_gate: bool = False,
+):
+    """`attn` (num_heads, num_kv_heads, head_dim, scale, layer_id, o_proj and the optional q_norm /
+    k_norm of its module) as a step (baton/ops/attention_layer.cpp) over its projections `qkv`,
+    stacked by rows: rotary of kind `rope` (None: none) over whole heads by baton's op, or
+    (torch_rotary) over the kind's width as separate torch ops; None off the packed kernels."""
+    o_proj = unwrapped(attn.o_proj)  # tensor parallel: the decoder sums the output over the ranks
+    if not all(isinstance(m, PackedLinear) for m in (*qkv, o_proj)):
+        return None
+    biases = [m.bias for m in qkv]
+    cache = binding.storage.layer_kv(attn.layer_id)
+    return ops().AttentionStep(
+        num_heads=attn.num_heads,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        hidden=o_proj.out_features,
+        scale=attn.scale,
+        rope=0 if rope is None else binding.rope(rope),
+        rotary_dim=0 if rope is None else binding.rope_dims[rope] if torch_rotary else attn.head_dim,
+        torch_rotary=torch_rotary or rope is None,
+        output_gate=output_gate,
+        qkv=[m.packed for m in qkv],
+        qkv_rows=[m.out_features for m in qkv],
+        qkv_bias=None if any(b is None for b in biases) else torch.cat(biases),
+        q_norm=norm_weights(getattr(attn, "q_norm", None)),
+        k_norm=norm_weights(getattr(attn, "k_norm", None)),
+        o=o_proj.packed,
+        o_bias=o_proj.bias,
+        k_cache=cache.k,
+        v_cache=cache.v,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        group=binding.kv_group(attn.layer_id),
+    )
+
+
+def mixer_mlp_blocks(
+    mixer_norm: RMSNorm,
+    mixer,
+    mlp_norm: RMSNorm,
+    mlp,
+    post_mixer_norm: RMSNorm | None = None,
+    post_mlp_norm: RMSNorm | None = None,
+) -> list[DecodeBlock] | None:
+    """A pre-norm layer's two blocks (its mixer's step, then its MLP's), or None where either step
+    cannot run in the fused decoder. Sandwich norms (Gemma) add a norm after each."""
+    if mixer is None or mlp is None:
+        return None
+    return [DecodeBlock(mixer_norm, mixer, post_mixer_norm), DecodeBlock(mlp_norm, mlp, post_mlp_norm)]
+
+
 def gated_mlp_step(gate_up_proj: torch.nn.Module, down_proj: torch.nn.Module, gelu_tanh: bool):
     """down(act(gate) * up) as a step (baton/ops/mlp_layer.cpp); None unless both projections run
     on the packed kernels (a tensor-parallel down_proj: the decoder sums the output itself)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from baton.models.fused_decode import DecodeBlock, StepBinding
+from baton.models.fused_decode import DecodeBlock, StepBinding, mixer_mlp_blocks
 from baton.models.layers import RMSNorm, unwrapped
 from baton.models.llama import Attention, ForwardContext, GatedMLP, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
@@ -37,14 +37,16 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(h), residual
 
     def decode_blocks(self, binding: StepBinding) -> list[DecodeBlock] | None:
-        """forward's blocks for the fused decoder, or None where a step cannot run there."""
+        """forward's blocks for the fused decoder (sandwich norms), or None where a step cannot run there."""
         attn, mlp = self.self_attn.decode_step(binding), unwrapped(self.mlp).decode_step(binding)
-        if attn is None or mlp is None:
-            return None
-        return [
-            DecodeBlock(self.input_layernorm, attn, self.post_attention_layernorm),
-            DecodeBlock(self.pre_feedforward_layernorm, mlp, self.post_feedforward_layernorm),
-        ]
+        return mixer_mlp_blocks(
+            self.input_layernorm,
+            attn,
+            self.pre_feedforward_layernorm,
+            mlp,
+            post_mixer_norm=self.post_attention_layernorm,
+            post_mlp_norm=self.post_feedforward_layernorm,
+        )
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from baton.kv.spec import LayerKind
-from baton.models.fused_decode import DecodeBlock, StepBinding
+from baton.models.fused_decode import DecodeBlock, StepBinding, mixer_mlp_blocks
 from baton.models.layers import RMSNorm, Rotary, paged_attention, unwrapped
 from baton.models.llama import Attention, ForwardContext, GatedMLP, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
@@ -101,9 +101,7 @@ class Glm4MoeDecoderLayer(nn.Module):
     def decode_blocks(self, binding: StepBinding) -> list[DecodeBlock] | None:
         """forward's blocks for the fused decoder, or None where a step cannot run there."""
         attn, mlp = self.self_attn.decode_step(binding), unwrapped(self.mlp).decode_step(binding)
-        if attn is None or mlp is None:
-            return None
-        return [DecodeBlock(self.input_layernorm, attn), DecodeBlock(self.post_attention_layernorm, mlp)]
+        return mixer_mlp_blocks(self.input_layernorm, attn, self.post_attention_layernorm, mlp)
 
 
 class MtpLayer(nn.Module):

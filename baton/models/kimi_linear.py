@@ -18,7 +18,7 @@ from torch import nn
 from baton.kv.spec import STATE_DTYPE, LayerKind
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.fused_decode import DecodeBlock, StepBinding, packed_only
+from baton.models.fused_decode import DecodeBlock, StepBinding, mixer_mlp_blocks, packed_only
 from baton.models.layers import RMSNorm, unwrapped
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.mla import MLAttention
@@ -184,9 +184,7 @@ class KimiDecoderLayer(nn.Module):
     def decode_blocks(self, binding: StepBinding) -> list[DecodeBlock] | None:
         """forward's blocks for the fused decoder, or None where a step cannot run there."""
         mixer, mlp = self.self_attn.decode_step(binding), unwrapped(self.mlp).decode_step(binding)
-        if mixer is None or mlp is None:
-            return None
-        return [DecodeBlock(self.input_layernorm, mixer), DecodeBlock(self.post_attention_layernorm, mlp)]
+        return mixer_mlp_blocks(self.input_layernorm, mixer, self.post_attention_layernorm, mlp)
 
 
 class KimiLinearForCausalLM(LlamaForCausalLM):

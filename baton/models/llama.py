@@ -10,7 +10,14 @@ from torch import nn
 
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage, LayerKV
-from baton.models.fused_decode import DecodeBlock, FusedDecoding, StepBinding, gated_mlp_step, norm_weights
+from baton.models.fused_decode import (
+    DecodeBlock,
+    FusedDecoding,
+    StepBinding,
+    attention_step,
+    gated_mlp_step,
+    mixer_mlp_blocks,
+)
 from baton.models.gguf_blocks import BlockTensor, BlockWeight, stack_rows
 from baton.models.layers import (
     BlockEmbedding,
@@ -28,7 +35,6 @@ from baton.models.layers import (
 )
 from baton.models.model_config import TextModelConfig
 from baton.models.recurrent import StateMetadata
-from baton.ops import ops
 
 
 @dataclass
@@ -81,34 +87,10 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, -1))
 
     def decode_step(self, binding: StepBinding):
-        """This attention as a fused decoder's step (baton/ops/attention_layer.cpp); None unless
-        its projections run on the packed kernels."""
-        o_proj = unwrapped(self.o_proj)  # tensor parallel: the decoder sums the output over the ranks
-        if not isinstance(self.qkv_proj, (PackedLinear, StackedLinear)) or not isinstance(o_proj, PackedLinear):
+        """This attention as a fused decoder's step; None off the packed kernels."""
+        if not isinstance(self.qkv_proj, (PackedLinear, StackedLinear)):
             return None
-        cache = binding.storage.layer_kv(self.layer_id)
-        return ops().AttentionStep(
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            hidden=o_proj.out_features,
-            scale=self.scale,
-            rope=binding.rope(self.kind),
-            rotary_dim=binding.rope_dims[self.kind] if self.partial_rotary else self.head_dim,
-            torch_rotary=self.partial_rotary,
-            qkv=[p.packed for p in self.qkv_proj.parts()],
-            qkv_rows=[p.out_features for p in self.qkv_proj.parts()],
-            qkv_bias=self.qkv_proj.bias,
-            q_norm=norm_weights(self.q_norm),
-            k_norm=norm_weights(self.k_norm),
-            o=o_proj.packed,
-            o_bias=o_proj.bias,
-            k_cache=cache.k,
-            v_cache=cache.v,
-            k_scale=cache.k_scale,
-            v_scale=cache.v_scale,
-            group=binding.kv_group(self.layer_id),
-        )
+        return attention_step(self, binding, self.qkv_proj.parts(), rope=self.kind, torch_rotary=self.partial_rotary)
 
 
 class GatedMLP(nn.Module):
@@ -148,9 +130,7 @@ class LlamaDecoderLayer(nn.Module):
     def decode_blocks(self, binding: StepBinding) -> list[DecodeBlock] | None:
         """forward's blocks for the fused decoder, or None where a step cannot run there."""
         attn, mlp = self.self_attn.decode_step(binding), unwrapped(self.mlp).decode_step(binding)
-        if attn is None or mlp is None:
-            return None
-        return [DecodeBlock(self.input_layernorm, attn), DecodeBlock(self.post_attention_layernorm, mlp)]
+        return mixer_mlp_blocks(self.input_layernorm, attn, self.post_attention_layernorm, mlp)
 
 
 class LlamaForCausalLM(FusedDecoding, nn.Module):

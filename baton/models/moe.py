@@ -145,6 +145,19 @@ class SigmoidRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
 
+    def step_arguments(self) -> dict:
+        """This router's arguments to the fused MoE step (ops().MoeStep)."""
+        return {
+            "hidden": self.weight.shape[1],
+            "router_weight": self.weight,  # F.linear's very operand: plain, never packed
+            "correction_bias": self.e_score_correction_bias.float().contiguous(),
+            "top_k": self.top_k,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "norm_topk_prob": self.norm_topk_prob,
+            "routed_scaling_factor": self.routed_scaling_factor,
+        }
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32, expert ids), both [T, top_k]."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
@@ -187,14 +200,7 @@ class GroupedSigmoidMoE(nn.Module):
             return None
         args = expert_arguments(self.experts, self.shared_experts)
         return ops().MoeStep(
-            hidden=gate.weight.shape[1],
-            router_weight=gate.weight,  # F.linear's very operand: plain, never packed
-            correction_bias=gate.e_score_correction_bias.float().contiguous(),
-            top_k=gate.top_k,
-            n_group=gate.n_group,
-            topk_group=gate.topk_group,
-            norm_topk_prob=gate.norm_topk_prob,
-            routed_scaling_factor=gate.routed_scaling_factor,
+            **gate.step_arguments(),
             relu2=False,
             expert_in=args["expert_gate_up"],
             expert_out=args["expert_down"],

@@ -17,7 +17,14 @@ from torch import nn
 from baton.kv.spec import STATE_DTYPE, LayerKind
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.fused_decode import DecodeBlock, FusedDecoding, StepBinding, norm_weights, packed_only, plain_float32
+from baton.models.fused_decode import (
+    DecodeBlock,
+    FusedDecoding,
+    StepBinding,
+    attention_step,
+    packed_only,
+    plain_float32,
+)
 from baton.models.layers import RMSNorm, embedding, pack_linears, paged_attention, unwrapped
 from baton.models.llama import ForwardContext
 from baton.models.model_config import TextModelConfig
@@ -174,35 +181,8 @@ class NoPEAttention(nn.Module):
         return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale).reshape(n, -1))
 
     def decode_step(self, binding: StepBinding):
-        """This attention as a fused decoder's step (baton/ops/attention_layer.cpp, no rotary);
-        None with a projection off the packed kernels."""
-        o_proj = unwrapped(self.o_proj)
-        qkv = (self.q_proj, self.k_proj, self.v_proj)
-        if not packed_only(self, o_proj):
-            return None
-        cache = binding.storage.layer_kv(self.layer_id)
-        return ops().AttentionStep(
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            hidden=o_proj.out_features,
-            scale=self.scale,
-            rope=0,
-            rotary_dim=0,
-            torch_rotary=True,
-            qkv=[m.packed for m in qkv],
-            qkv_rows=[m.out_features for m in qkv],
-            qkv_bias=None,
-            q_norm=norm_weights(None),
-            k_norm=norm_weights(None),
-            o=o_proj.packed,
-            o_bias=o_proj.bias,
-            k_cache=cache.k,
-            v_cache=cache.v,
-            k_scale=cache.k_scale,
-            v_scale=cache.v_scale,
-            group=binding.kv_group(self.layer_id),
-        )
+        """This attention as a fused decoder's step (no rotary); None off the packed kernels."""
+        return attention_step(self, binding, [self.q_proj, self.k_proj, self.v_proj], rope=None)
 
 
 class Relu2MLP(nn.Module):
@@ -277,14 +257,7 @@ class NemotronHMoE(nn.Module):
         absent = torch.empty(0)  # tensor parallel: an expert another rank holds
         here = [e for e in experts if not isinstance(e, ExpertElsewhere)]
         return ops().MoeStep(
-            hidden=gate.weight.shape[1],
-            router_weight=gate.weight,  # F.linear's very operand: plain, never packed
-            correction_bias=gate.e_score_correction_bias.float().contiguous(),
-            top_k=gate.top_k,
-            n_group=gate.n_group,
-            topk_group=gate.topk_group,
-            norm_topk_prob=gate.norm_topk_prob,
-            routed_scaling_factor=gate.routed_scaling_factor,
+            **gate.step_arguments(),
             relu2=True,
             expert_in=[absent if isinstance(e, ExpertElsewhere) else e.up_proj.packed for e in experts],
             expert_out=[absent if isinstance(e, ExpertElsewhere) else e.down_proj.packed for e in experts],

@@ -13,7 +13,7 @@ from torch import nn
 from baton.kv.spec import STATE_DTYPE, LayerKind
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.fused_decode import DecodeBlock, StepBinding, norm_weights
+from baton.models.fused_decode import DecodeBlock, StepBinding, attention_step, mixer_mlp_blocks
 from baton.models.layers import PackedLinear, RMSNorm, Rotary, paged_attention, unwrapped
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
@@ -158,37 +158,10 @@ class GatedAttention(nn.Module):
         return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
 
     def decode_step(self, binding: StepBinding):
-        """This attention as a fused decoder's step (baton/ops/attention_layer.cpp: output gate,
-        partial rotary as forward's torch ops); None with a projection off the packed kernels."""
-        o_proj = unwrapped(self.o_proj)
-        qkv = (self.q_proj, self.k_proj, self.v_proj)
-        if not all(isinstance(m, PackedLinear) for m in (*qkv, o_proj)):
-            return None
-        biases = [m.bias for m in qkv]
-        cache = binding.storage.layer_kv(self.layer_id)
-        return ops().AttentionStep(
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            hidden=o_proj.out_features,
-            scale=self.scale,
-            rope=binding.rope("full"),
-            rotary_dim=binding.rope_dims["full"],
-            torch_rotary=True,
-            output_gate=True,
-            qkv=[m.packed for m in qkv],
-            qkv_rows=[m.out_features for m in qkv],
-            qkv_bias=None if any(b is None for b in biases) else torch.cat(biases),
-            q_norm=norm_weights(self.q_norm),
-            k_norm=norm_weights(self.k_norm),
-            o=o_proj.packed,
-            o_bias=o_proj.bias,
-            k_cache=cache.k,
-            v_cache=cache.v,
-            k_scale=cache.k_scale,
-            v_scale=cache.v_scale,
-            group=binding.kv_group(self.layer_id),
-        )
+        """This attention as a fused decoder's step (output gate, partial rotary as forward's torch
+        ops); None off the packed kernels."""
+        qkv = [self.q_proj, self.k_proj, self.v_proj]
+        return attention_step(self, binding, qkv, rope="full", torch_rotary=True, output_gate=True)
 
 
 def partial_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -230,9 +203,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         """forward's blocks for the fused decoder, or None where a step cannot run there."""
         mixer = (self.linear_attn if self.recurrent else self.self_attn).decode_step(binding)
         mlp = unwrapped(self.mlp).decode_step(binding)
-        if mixer is None or mlp is None:
-            return None
-        return [DecodeBlock(self.input_layernorm, mixer), DecodeBlock(self.post_attention_layernorm, mlp)]
+        return mixer_mlp_blocks(self.input_layernorm, mixer, self.post_attention_layernorm, mlp)
 
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
