@@ -119,7 +119,7 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj((out * gate.sigmoid()).to(x.dtype).reshape(n, -1))
 
     def decode_step(self, binding: StepBinding):
-        """This layer as a fused decoder's step (baton/ops/recurrent_layers.cpp); None without
+        """This layer as a fused decoder's step (baton/ops/kda_layer.cpp); None without
         recurrent state or with a projection off the packed kernels."""
         o_proj = unwrapped(self.o_proj)
         if binding.states is None or not packed_only(self, o_proj):

@@ -124,7 +124,7 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj((self.norm.weight.float() * y).to(x.dtype))
 
     def decode_step(self, binding: StepBinding):
-        """This mixer as a fused decoder's step (baton/ops/recurrent_layers.cpp); None without
+        """This mixer as a fused decoder's step (baton/ops/mamba_layer.cpp); None without
         recurrent state or with a projection off the packed kernels."""
         out_proj = unwrapped(self.out_proj)
         if binding.states is None or not packed_only(self, out_proj):

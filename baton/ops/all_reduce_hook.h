@@ -3,6 +3,7 @@
 // partial sum, and the hook sums it over the ranks in place (torch.distributed, called back into
 // Python with the GIL: the step itself runs without it). Unset on one rank: it does nothing.
 #include <torch/csrc/utils/pybind.h>
+#include <torch/types.h>
 
 class AllReduceHook {
  public:

@@ -8,7 +8,8 @@ void bind_mlp_layer(pybind11::module_& m);               // mlp_layer.cpp
 void bind_gdn_layer(pybind11::module_& m);               // gdn_layer.cpp
 void bind_moe_layer(pybind11::module_& m);               // moe_layer.cpp
 void bind_mla_layer(pybind11::module_& m);               // mla_layer.cpp
-void bind_recurrent_layers(pybind11::module_& m);        // recurrent_layers.cpp: KDA, Mamba2
+void bind_kda_layer(pybind11::module_& m);               // kda_layer.cpp
+void bind_mamba_layer(pybind11::module_& m);             // mamba_layer.cpp
 
 // Every op releases the GIL while it runs (its arguments are converted before, its result after),
 // so Python threads such as the server's event loop go on meanwhile. No op touches a Python object.
@@ -45,5 +46,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_gdn_layer(m);
   bind_moe_layer(m);
   bind_mla_layer(m);
-  bind_recurrent_layers(m);
+  bind_kda_layer(m);
+  bind_mamba_layer(m);
 }

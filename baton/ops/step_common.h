@@ -1,8 +1,11 @@
 #pragma once
 // What the fused decoder's layer steps (fused_decoder.h) share: the checks of their weights and of
-// a step's KV and state metadata before any write, one channel of a causal conv over its slot's window, and the state
-// checkpoints a decode row takes before or after its token (baton/models/recurrent.py's segments).
+// a step's KV and state metadata before any write, a recurrent layer's state tensors, one channel
+// of a causal conv over its slot's window, and the state checkpoints a decode row takes before or
+// after its token (baton/models/recurrent.py's segments).
 #include <torch/types.h>
+
+#include "fused_decoder.h"
 
 #include <cmath>
 #include <cstdint>
@@ -60,3 +63,21 @@ inline float conv_window_step(const float* w, float* window, int64_t km1, float 
   window[km1 - 1] = x;
   return acc;
 }
+
+// A recurrent layer step's running states and checkpoints ([slots, ...] and [checkpoints, ...]
+// alike): what it needs of a step, and its checkpoints taken there
+struct StateTensors {
+  torch::Tensor conv, rec, conv_ckpt, rec_ckpt;
+
+  StepNeeds needs() const {
+    StepNeeds n;
+    n.state_slots = conv.size(0);
+    n.checkpoints = conv_ckpt.size(0);
+    return n;
+  }
+  // the checkpoints taken `offset` rows into their row (0: before its token)
+  void snapshot(const StepBatch& step, int64_t offset) {
+    snapshot_states(conv_ckpt, rec_ckpt, conv, rec, step.state_slots, step.snapshot_rows, step.snapshot_offsets,
+                    step.snapshot_ids, offset);
+  }
+};
