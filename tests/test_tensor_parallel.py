@@ -235,6 +235,7 @@ def test_pd_of_a_hybrid_between_tp1_and_tp2(tmp_path):
         two.shutdown()
 
 
+@pytest.mark.slow  # 46 s: two TP engines side by side (the default suite's servers take free ports too)
 def test_parallel_engines_take_free_ports_and_give_them_back(tmp_path):
     """Two engines of two ranks on one host at once (one in another process, leaving its `with`
     block): no fixed port collides; and the one dropped without shutdown() releases its ranks and
