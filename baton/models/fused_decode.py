@@ -43,6 +43,11 @@ def norm_weights(norm: RMSNorm | None):
     return ops().NormWeights() if norm is None else ops().NormWeights(norm.weight, norm.eps, norm.offset)
 
 
+def step_bias(linear: torch.nn.Module) -> torch.Tensor | None:
+    """A linear's bias as a step takes it: float32, contiguous, or None."""
+    return None if linear.bias is None else linear.bias.float().contiguous()
+
+
 def packed_only(*modules: torch.nn.Module) -> bool:
     """Every linear inside the modules runs on the packed kernels (float32 panels or GGUF blocks)."""
     linears = [m for module in modules for m in module.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]

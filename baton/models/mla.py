@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.storage import LayerKV
-from baton.models.fused_decode import StepBinding, packed_only, plain_float32
+from baton.models.fused_decode import StepBinding, packed_only, plain_float32, step_bias
 from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq, RMSNorm, unwrapped
 from baton.models.model_config import TextModelConfig
 from baton.ops import ops
@@ -69,15 +69,15 @@ class MLAttention(nn.Module):
             scale=self.scale,
             q_proj=None if lora else self.q_proj.packed,
             q_a=self.q_a_proj.packed if lora else None,
-            q_a_bias=_bias(self.q_a_proj) if lora else None,
+            q_a_bias=step_bias(self.q_a_proj) if lora else None,
             q_a_norm=self.q_a_layernorm.weight if lora else None,
             q_b=self.q_b_proj.packed if lora else None,
             kv_a=self.kv_a_proj_with_mqa.packed,
-            kv_a_bias=_bias(self.kv_a_proj_with_mqa),
+            kv_a_bias=step_bias(self.kv_a_proj_with_mqa),
             kv_a_norm=self.kv_a_layernorm.weight,
             kv_b=self.kv_b_proj.weight,
             o_proj=o_proj.packed,
-            o_bias=_bias(o_proj),
+            o_bias=step_bias(o_proj),
             k_cache=cache,
             group=binding.kv_group(self.layer_id),
         )
@@ -195,7 +195,3 @@ def tiled_attention(
         out = out * (lse - merged).exp()[..., None] + tile_out * (tile_lse - merged).exp()[..., None]
         lse = merged
     return out
-
-
-def _bias(linear: torch.nn.Module) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.float().contiguous()

@@ -24,6 +24,7 @@ from baton.models.fused_decode import (
     attention_step,
     packed_only,
     plain_float32,
+    step_bias,
 )
 from baton.models.layers import RMSNorm, embedding, pack_linears, paged_attention, unwrapped
 from baton.models.llama import ForwardContext
@@ -139,9 +140,9 @@ class Mamba2Mixer(nn.Module):
             conv_kernel=self.conv1d.weight.shape[-1],
             hidden=out_proj.out_features,
             in_proj=self.in_proj.packed,
-            in_bias=_bias(self.in_proj),
+            in_bias=step_bias(self.in_proj),
             out_proj=out_proj.packed,
-            out_bias=_bias(out_proj),
+            out_bias=step_bias(out_proj),
             conv_weight=self.conv1d.weight[:, 0].float().contiguous(),
             conv_bias=None if conv_bias is None else conv_bias.float().contiguous(),
             # forward's -A_log.float().exp(): the same op on the same [nh], once
@@ -203,9 +204,9 @@ class Relu2MLP(nn.Module):
             return None
         return ops().Relu2MlpStep(
             up=self.up_proj.packed,
-            up_bias=_bias(self.up_proj),
+            up_bias=step_bias(self.up_proj),
             down=down.packed,
-            down_bias=_bias(down),
+            down_bias=step_bias(down),
             intermediate=self.up_proj.out_features,
             hidden=down.out_features,
         )
@@ -263,14 +264,14 @@ class NemotronHMoE(nn.Module):
             expert_out=[absent if isinstance(e, ExpertElsewhere) else e.down_proj.packed for e in experts],
             moe_intermediate=here[0].up_proj.out_features if here else 1,
             fc1=None if fc1 is None else fc1.packed,
-            fc1_bias=None if fc1 is None else _bias(fc1),
+            fc1_bias=None if fc1 is None else step_bias(fc1),
             fc2=None if fc2 is None else fc2.packed,
-            fc2_bias=None if fc2 is None else _bias(fc2),
+            fc2_bias=None if fc2 is None else step_bias(fc2),
             width=gate.weight.shape[1] if fc1 is None else fc1.out_features,
             shared_in=None if shared is None else shared.up_proj.packed,
-            shared_in_bias=None if shared is None else _bias(shared.up_proj),
+            shared_in_bias=None if shared is None else step_bias(shared.up_proj),
             shared_out=None if shared is None else shared.down_proj.packed,
-            shared_out_bias=None if shared is None else _bias(shared.down_proj),
+            shared_out_bias=None if shared is None else step_bias(shared.down_proj),
             shared_intermediate=0 if shared is None else shared.up_proj.out_features,
         )
 
@@ -358,7 +359,3 @@ class NemotronHForCausalLM(FusedDecoding, nn.Module):
     def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
         name = hf_name.removeprefix("backbone.").removeprefix("model.")
         self.get_parameter(name).data.copy_(tensor)
-
-
-def _bias(linear: torch.nn.Module) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.float().contiguous()
