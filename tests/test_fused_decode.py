@@ -11,9 +11,9 @@ from baton import LLM, SamplingParams
 from tests.test_kimi_linear import kimi  # noqa: F401  (the random model fixtures)
 from tests.test_mtp import glm  # noqa: F401
 from tests.test_nemotron_h import nemotron  # noqa: F401
-from tests.test_recurrent_hybrid import _ids, qwen3_next  # noqa: F401
+from tests.test_recurrent_hybrid import _ids, qwen3_5, qwen3_next  # noqa: F401
 
-FAMILIES = pytest.mark.parametrize("family", ["qwen3_next", "kimi", "nemotron", "glm"])
+FAMILIES = pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi", "nemotron", "glm"])
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 

@@ -23,8 +23,11 @@ def make_model(tmp_path, arch: str, **overrides):
     """Save a seeded random transformers model; return (reference model, directory)."""
     import transformers
 
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     model_cls = getattr(transformers, arch)
+    # the text model's config where the family also has a multimodal one (Qwen3.5)
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "TextConfig"), None)
+    if config_cls is not model_cls.config_class:
+        config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     torch.manual_seed(0)
     config = config_cls(**{**SMALL, **overrides})
     model = model_cls(config).eval()

@@ -1,5 +1,6 @@
-"""Recurrent-state hybrids on a random Qwen3-Next (Gated DeltaNet + gated attention + MoE):
-parity with transformers' full forward along every path, and prefix caching that hits."""
+"""Recurrent-state hybrids on a random Qwen3-Next (Gated DeltaNet + gated attention + MoE) and
+Qwen3.5 (the same mixers, dense MLPs, its own checkpoint layout): parity with transformers' full
+forward along every path, and prefix caching that hits."""
 
 from __future__ import annotations
 
@@ -32,12 +33,21 @@ QWEN3_NEXT = dict(
     shared_expert_intermediate_size=48,
     max_position_embeddings=4096,
 )
+QWEN3_5 = {k: v for k, v in QWEN3_NEXT.items() if "expert" not in k and "moe" not in k}  # dense MLPs
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("qwen3-next"), "Qwen3NextForCausalLM", **QWEN3_NEXT)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("qwen3.5"), "Qwen3_5ForCausalLM", **QWEN3_5)
+
+
+BOTH = pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -63,16 +73,18 @@ def test_reference_runs_its_torch_fallback():
         assert importlib.util.find_spec(package) is None, f"{package} would replace transformers' torch reference"
 
 
+@BOTH
 @pytest.mark.parametrize("chunk", [1024, 37, 100])
-def test_prefill_logits_match_full_forward_at_every_position(qwen3_next, chunk):
-    ref, path = qwen3_next
+def test_prefill_logits_match_full_forward_at_every_position(family, chunk, request):
+    ref, path = request.getfixturevalue(family)
     ids = _ids(150, 1)  # longer than 64, not a multiple of it
     llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, max_num_batched_tokens=chunk)
     assert _rel(llm.prompt_logits({"prompt_token_ids": ids}), _full_logits(ref, ids)) < 1e-4
 
 
-def test_decode_prefix_hit_and_batch_composition_keep_the_reference_tokens(qwen3_next):
-    ref, path = qwen3_next
+@BOTH
+def test_decode_prefix_hit_and_batch_composition_keep_the_reference_tokens(family, request):
+    ref, path = request.getfixturevalue(family)
     ids = _ids(150, 2)
     llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)

@@ -125,12 +125,14 @@ def test_random_glm_moe_experts_split_over_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_random_qwen3_next_hybrid_with_prefix_hits(tmp_path):
-    """Gated DeltaNet split by key heads, gated attention by heads, MoE experts by rank; the
-    second round resumes from recurrent checkpoints (the driver's restores replayed per rank)."""
-    from tests.test_recurrent_hybrid import QWEN3_NEXT
+@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"])
+def test_random_qwen3_next_hybrid_with_prefix_hits(tmp_path, arch):
+    """Gated DeltaNet split by key heads, gated attention by heads, MoE experts by rank (Qwen3.5:
+    dense MLPs); the second round resumes from recurrent checkpoints (the driver's restores
+    replayed per rank)."""
+    from tests.test_recurrent_hybrid import QWEN3_5, QWEN3_NEXT
 
-    _, path = make_model(tmp_path, "Qwen3NextForCausalLM", **QWEN3_NEXT)
+    _, path = make_model(tmp_path, arch, **(QWEN3_NEXT if arch == "Qwen3NextForCausalLM" else QWEN3_5))
     base = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(3)).tolist()
     ids = [{"prompt_token_ids": p} for p in (base[:9], base, base[:40] + [1, 2, 3])]
     results = []

@@ -1,6 +1,6 @@
-"""Qwen3-Next (and Qwen3.5 text): Gated DeltaNet layers (causal conv + gated delta rule, a
+"""Qwen3-Next and Qwen3.5 (text): Gated DeltaNet layers (causal conv + gated delta rule, a
 constant-size state per request) beside gated full-attention layers (output gate, partial
-rotary), MoE with a shared expert."""
+rotary); Qwen3-Next's MLPs are MoE with a shared expert, Qwen3.5's dense."""
 
 from __future__ import annotations
 
@@ -256,3 +256,49 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
                 param.data[shard * rows : (shard + 1) * rows].copy_(tensor)
                 return
         self.get_parameter(name).data.copy_(tensor)
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5's text model is Qwen3-Next's program with dense MLPs; only its checkpoint differs:
+    Gated DeltaNet projections stored apart (q|k|v, z, b, a) rather than interleaved per key head.
+    Loading writes them into Qwen3-Next's interleaved rows, so the modules, the tensor-parallel
+    shards and the fused decode step are Qwen3-Next's. (Its text positions are one-dimensional:
+    the three mrope sections see the same position, which is plain rotary.)"""
+
+    _SPLIT = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().hf_weight_shapes()
+        for name in [n for n in shapes if ".linear_attn.in_proj_" in n]:
+            del shapes[name]
+        for name, gdn in self.named_modules():
+            if isinstance(gdn, GatedDeltaNet):
+                rows = (2 * gdn.key_dim + gdn.value_dim, gdn.value_dim, gdn.vh, gdn.vh)
+                for part, n in zip(self._SPLIT, rows):
+                    shapes[f"model.{name}.{part}.weight"] = (n, gdn.in_proj_qkvz.in_features)
+        return shapes
+
+    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
+        part = next((p for p in self._SPLIT if f".linear_attn.{p}." in hf_name), None)
+        if part is None:
+            return super().load_weight(hf_name, tensor)
+        gdn = self.get_submodule(hf_name.removeprefix("model.").rsplit(".", 2)[0])
+        packed = gdn.in_proj_ba if part in ("in_proj_b", "in_proj_a") else gdn.in_proj_qkvz
+        packed.weight.data[interleaved_rows(gdn, part)] = tensor
+
+
+def interleaved_rows(gdn: GatedDeltaNet, part: str) -> torch.Tensor:
+    """Where the rows of Qwen3.5's `part` projection sit in Qwen3-Next's per-key-head layout: key
+    head h holds [q_h, k_h, v and z of its r value heads] in qkvz and [b, a of its r heads] in ba."""
+    kh, r, dk, dv = gdn.kh, gdn.vh // gdn.kh, gdn.dk, gdn.dv
+    qkvz_head, ba_head = 2 * dk + 2 * r * dv, 2 * r
+    head = torch.arange(kh)[:, None]
+    q = head * qkvz_head + torch.arange(dk)
+    v = head * qkvz_head + 2 * dk + torch.arange(r * dv)
+    rows = {
+        "in_proj_qkv": torch.cat((q.flatten(), (q + dk).flatten(), v.flatten())),
+        "in_proj_z": (v + r * dv).flatten(),
+        "in_proj_b": (head * ba_head + torch.arange(r)).flatten(),
+        "in_proj_a": (head * ba_head + r + torch.arange(r)).flatten(),
+    }
+    return rows[part]

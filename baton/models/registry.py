@@ -9,7 +9,7 @@ from baton.models.glm4_moe import Glm4MoeForCausalLM
 from baton.models.kimi_linear import KimiLinearForCausalLM
 from baton.models.llama import LlamaForCausalLM
 from baton.models.nemotron_h import NemotronHForCausalLM
-from baton.models.qwen3_next import Qwen3NextForCausalLM
+from baton.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -18,6 +18,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
