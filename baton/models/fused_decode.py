@@ -48,6 +48,20 @@ def step_bias(linear: torch.nn.Module) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.float().contiguous()
 
 
+def linear_args(name: str, linear: PackedLinear | None) -> dict:
+    """A packed projection as a step takes it: `name` its weight, `name`_bias its bias (a step
+    takes a None argument as not given)."""
+    if linear is None:
+        return {}
+    return {name: linear.packed, f"{name}_bias": step_bias(linear)}
+
+
+def state_args(binding: StepBinding, layer_id: int) -> dict:
+    """A recurrent layer's running states and checkpoints, as its step takes them."""
+    (conv_state, rec_state), (conv_ckpt, rec_ckpt) = binding.states.layer(layer_id)
+    return dict(conv_state=conv_state, rec_state=rec_state, conv_checkpoints=conv_ckpt, rec_checkpoints=rec_ckpt)
+
+
 def packed_only(*modules: torch.nn.Module) -> bool:
     """Every linear inside the modules runs on the packed kernels (float32 panels or GGUF blocks)."""
     linears = [m for module in modules for m in module.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
@@ -92,8 +106,7 @@ def attention_step(
         qkv_bias=None if any(b is None for b in biases) else torch.cat(biases),
         q_norm=norm_weights(getattr(attn, "q_norm", None)),
         k_norm=norm_weights(getattr(attn, "k_norm", None)),
-        o=o_proj.packed,
-        o_bias=o_proj.bias,
+        **linear_args("o", o_proj),
         k_cache=cache.k,
         v_cache=cache.v,
         k_scale=cache.k_scale,

@@ -18,7 +18,7 @@ from torch import nn
 from baton.kv.spec import STATE_DTYPE, LayerKind
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.fused_decode import DecodeBlock, StepBinding, mixer_mlp_blocks, packed_only
+from baton.models.fused_decode import DecodeBlock, StepBinding, mixer_mlp_blocks, packed_only, state_args
 from baton.models.layers import RMSNorm, unwrapped
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.mla import MLAttention
@@ -124,7 +124,6 @@ class KimiDeltaAttention(nn.Module):
         o_proj = unwrapped(self.o_proj)
         if binding.states is None or not packed_only(self, o_proj):
             return None
-        (conv_state, rec_state), (conv_ckpt, rec_ckpt) = binding.states.layer(self.layer_id)
         return ops().KdaStep(
             heads=self.heads,
             head_dim=self.dim,
@@ -140,10 +139,7 @@ class KimiDeltaAttention(nn.Module):
             neg_exp_a=(-self.A_log.float().exp()).contiguous(),
             o_norm=self.o_norm.weight.float().contiguous(),
             norm_eps=self.eps,
-            conv_state=conv_state,
-            rec_state=rec_state,
-            conv_checkpoints=conv_ckpt,
-            rec_checkpoints=rec_ckpt,
+            **state_args(binding, self.layer_id),
         )
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.storage import LayerKV
-from baton.models.fused_decode import StepBinding, packed_only, plain_float32, step_bias
+from baton.models.fused_decode import StepBinding, linear_args, packed_only, plain_float32
 from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq, RMSNorm, unwrapped
 from baton.models.model_config import TextModelConfig
 from baton.ops import ops
@@ -67,17 +67,14 @@ class MLAttention(nn.Module):
             hidden=o_proj.out_features,
             q_lora_rank=self.q_a_proj.out_features if lora else 0,
             scale=self.scale,
-            q_proj=None if lora else self.q_proj.packed,
-            q_a=self.q_a_proj.packed if lora else None,
-            q_a_bias=step_bias(self.q_a_proj) if lora else None,
+            **linear_args("q_proj", None if lora else self.q_proj),
+            **linear_args("q_a", self.q_a_proj if lora else None),
             q_a_norm=self.q_a_layernorm.weight if lora else None,
-            q_b=self.q_b_proj.packed if lora else None,
-            kv_a=self.kv_a_proj_with_mqa.packed,
-            kv_a_bias=step_bias(self.kv_a_proj_with_mqa),
+            **linear_args("q_b", self.q_b_proj if lora else None),
+            **linear_args("kv_a", self.kv_a_proj_with_mqa),
             kv_a_norm=self.kv_a_layernorm.weight,
             kv_b=self.kv_b_proj.weight,
-            o_proj=o_proj.packed,
-            o_bias=step_bias(o_proj),
+            **linear_args("o_proj", o_proj),
             k_cache=cache,
             group=binding.kv_group(self.layer_id),
         )

@@ -95,15 +95,15 @@ class ExpertElsewhere(nn.Module):
 
 def expert_arguments(experts: nn.ModuleList, shared: nn.Module | None) -> dict:
     """The routed experts' and the shared expert's packed gate_up / down weights, as the fused MoE
-    steps take them."""
+    step takes gated-SiLU experts."""
     here = [e for e in experts if not isinstance(e, ExpertElsewhere)]
     absent = torch.empty(0)  # tensor parallel: an expert another rank holds
     return {
-        "expert_gate_up": [absent if isinstance(e, ExpertElsewhere) else e.gate_up_proj.packed for e in experts],
-        "expert_down": [absent if isinstance(e, ExpertElsewhere) else e.down_proj.packed for e in experts],
+        "expert_in": [absent if isinstance(e, ExpertElsewhere) else e.gate_up_proj.packed for e in experts],
+        "expert_out": [absent if isinstance(e, ExpertElsewhere) else e.down_proj.packed for e in experts],
         "moe_intermediate": here[0].down_proj.in_features if here else 1,
-        "shared_gate_up": None if shared is None else shared.gate_up_proj.packed,
-        "shared_down": None if shared is None else shared.down_proj.packed,
+        "shared_in": None if shared is None else shared.gate_up_proj.packed,
+        "shared_out": None if shared is None else shared.down_proj.packed,
         "shared_intermediate": 0 if shared is None else shared.down_proj.in_features,
     }
 
@@ -198,14 +198,4 @@ class GroupedSigmoidMoE(nn.Module):
             return None
         if not plain_float32(gate.weight):
             return None
-        args = expert_arguments(self.experts, self.shared_experts)
-        return ops().MoeStep(
-            **gate.step_arguments(),
-            relu2=False,
-            expert_in=args["expert_gate_up"],
-            expert_out=args["expert_down"],
-            moe_intermediate=args["moe_intermediate"],
-            shared_in=args["shared_gate_up"],
-            shared_out=args["shared_down"],
-            shared_intermediate=args["shared_intermediate"],
-        )
+        return ops().MoeStep(**gate.step_arguments(), **expert_arguments(self.experts, self.shared_experts))

@@ -22,9 +22,10 @@ from baton.models.fused_decode import (
     FusedDecoding,
     StepBinding,
     attention_step,
+    linear_args,
     packed_only,
     plain_float32,
-    step_bias,
+    state_args,
 )
 from baton.models.layers import RMSNorm, embedding, pack_linears, paged_attention, unwrapped
 from baton.models.llama import ForwardContext
@@ -130,7 +131,6 @@ class Mamba2Mixer(nn.Module):
         out_proj = unwrapped(self.out_proj)
         if binding.states is None or not packed_only(self, out_proj):
             return None
-        (conv_state, ssm_state), (conv_ckpt, ssm_ckpt) = binding.states.layer(self.layer_id)
         conv_bias = self.conv1d.bias
         return ops().MambaStep(
             heads=self.nh,
@@ -139,10 +139,8 @@ class Mamba2Mixer(nn.Module):
             state_size=self.n,
             conv_kernel=self.conv1d.weight.shape[-1],
             hidden=out_proj.out_features,
-            in_proj=self.in_proj.packed,
-            in_bias=step_bias(self.in_proj),
-            out_proj=out_proj.packed,
-            out_bias=step_bias(out_proj),
+            **linear_args("in_proj", self.in_proj),
+            **linear_args("out_proj", out_proj),
             conv_weight=self.conv1d.weight[:, 0].float().contiguous(),
             conv_bias=None if conv_bias is None else conv_bias.float().contiguous(),
             # forward's -A_log.float().exp(): the same op on the same [nh], once
@@ -152,10 +150,7 @@ class Mamba2Mixer(nn.Module):
             norm_weight=self.norm.weight.float().contiguous(),
             dt_min=self.dt_min,
             norm_eps=self.eps,
-            conv_state=conv_state,
-            ssm_state=ssm_state,
-            conv_checkpoints=conv_ckpt,
-            ssm_checkpoints=ssm_ckpt,
+            **state_args(binding, self.layer_id),
         )
 
 
@@ -203,10 +198,8 @@ class Relu2MLP(nn.Module):
         if not packed_only(self, down):
             return None
         return ops().Relu2MlpStep(
-            up=self.up_proj.packed,
-            up_bias=step_bias(self.up_proj),
-            down=down.packed,
-            down_bias=step_bias(down),
+            **linear_args("up", self.up_proj),
+            **linear_args("down", down),
             intermediate=self.up_proj.out_features,
             hidden=down.out_features,
         )
@@ -263,15 +256,11 @@ class NemotronHMoE(nn.Module):
             expert_in=[absent if isinstance(e, ExpertElsewhere) else e.up_proj.packed for e in experts],
             expert_out=[absent if isinstance(e, ExpertElsewhere) else e.down_proj.packed for e in experts],
             moe_intermediate=here[0].up_proj.out_features if here else 1,
-            fc1=None if fc1 is None else fc1.packed,
-            fc1_bias=None if fc1 is None else step_bias(fc1),
-            fc2=None if fc2 is None else fc2.packed,
-            fc2_bias=None if fc2 is None else step_bias(fc2),
-            width=gate.weight.shape[1] if fc1 is None else fc1.out_features,
-            shared_in=None if shared is None else shared.up_proj.packed,
-            shared_in_bias=None if shared is None else step_bias(shared.up_proj),
-            shared_out=None if shared is None else shared.down_proj.packed,
-            shared_out_bias=None if shared is None else step_bias(shared.down_proj),
+            **linear_args("fc1", fc1),
+            **linear_args("fc2", fc2),
+            width=None if fc1 is None else fc1.out_features,
+            **linear_args("shared_in", None if shared is None else shared.up_proj),
+            **linear_args("shared_out", None if shared is None else shared.down_proj),
             shared_intermediate=0 if shared is None else shared.up_proj.out_features,
         )
 

@@ -13,7 +13,7 @@ from torch import nn
 from baton.kv.spec import STATE_DTYPE, LayerKind
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
-from baton.models.fused_decode import DecodeBlock, StepBinding, attention_step, mixer_mlp_blocks
+from baton.models.fused_decode import DecodeBlock, StepBinding, attention_step, mixer_mlp_blocks, state_args
 from baton.models.layers import PackedLinear, RMSNorm, Rotary, paged_attention, unwrapped
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
@@ -104,7 +104,6 @@ class GatedDeltaNet(nn.Module):
         linears = (self.in_proj_qkvz, self.in_proj_ba, out_proj)
         if binding.states is None or not all(isinstance(m, PackedLinear) for m in linears):
             return None
-        (conv_state, rec_state), (conv_ckpt, rec_ckpt) = binding.states.layer(self.layer_id)
         return ops().GdnStep(
             key_heads=self.kh,
             value_heads=self.vh,
@@ -121,10 +120,7 @@ class GatedDeltaNet(nn.Module):
             dt_bias=self.dt_bias.float().contiguous(),
             norm_weight=self.norm.weight.float().contiguous(),
             norm_eps=self.eps,
-            conv_state=conv_state,
-            rec_state=rec_state,
-            conv_checkpoints=conv_ckpt,
-            rec_checkpoints=rec_ckpt,
+            **state_args(binding, self.layer_id),
         )
 
 

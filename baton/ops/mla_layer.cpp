@@ -2,12 +2,7 @@
 // decode rows (MLAttention.forward, baton/models/mla.py): q (q_proj, or q_a -> its norm -> q_b),
 // the normed latent and kr written to the latent cache, the absorbed attention over each row's
 // cached latents (as MLAttention._decode's very ATen ops, so the bits are the same), o_proj.
-#include "fused_decoder.h"
-#include "ops.h"
 #include "step_common.h"
-
-#include <pybind11/stl.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstring>
@@ -56,46 +51,30 @@ torch::Tensor mla_decode(const MlaShape& s, const torch::Tensor& q, const torch:
 
 constexpr double kLatentNormEps = 1e-6;  // mla.LATENT_NORM_EPS
 
-void check_bias(const c10::optional<torch::Tensor>& bias, int64_t n, const char* name) {
-  if (bias.has_value()) check_vector(*bias, n, name);
-}
-
 class MlaStep : public LayerStep {
  public:
-  struct Weights {
-    torch::Tensor q_proj;                         // without a q LoRA
-    torch::Tensor q_a, q_a_norm, q_b;             // with one (q_lora_rank > 0)
-    c10::optional<torch::Tensor> q_a_bias;
-    torch::Tensor kv_a, kv_a_norm;                // kv_a_proj_with_mqa, kv_a_layernorm
-    c10::optional<torch::Tensor> kv_a_bias;
-    torch::Tensor kv_b;                           // the plain kv_b_proj weight [heads * (dn + dv), rank]
-    torch::Tensor o;
-    c10::optional<torch::Tensor> o_bias;
-  };
-
-  MlaStep(MlaShape shape, int64_t hidden, int64_t q_lora_rank, double scale, Weights w, torch::Tensor cache,
-          int64_t group)
-      : s_(shape), hidden_(hidden), q_lora_rank_(q_lora_rank), scale_(scale), w_(std::move(w)), group_(group) {
+  explicit MlaStep(StepArgs& a)
+      : s_{a.integer("heads"), a.integer("kv_lora_rank"), a.integer("nope_dim"), a.integer("rope_dim"),
+           a.integer("v_dim")},
+        hidden_(a.integer("hidden")), q_lora_rank_(a.integer("q_lora_rank")), scale_(a.real("scale")),
+        group_(a.integer("group")) {
     const int64_t q_out = s_.heads * (s_.dn + s_.dr);
     if (q_lora_rank_ > 0) {
-      TORCH_CHECK(w_.q_a.defined() && w_.q_a_norm.defined() && w_.q_b.defined(), "q_lora_rank needs q_a, its norm, q_b");
-      check_packed(w_.q_a, hidden_, q_lora_rank_, "q_a_proj");
-      check_bias(w_.q_a_bias, q_lora_rank_, "q_a_proj bias");
-      check_vector(w_.q_a_norm, q_lora_rank_, "q_a_layernorm");
-      check_packed(w_.q_b, q_lora_rank_, q_out, "q_b_proj");
+      q_a_ = a.linear("q_a", hidden_, q_lora_rank_);
+      q_a_norm_ = a.vector("q_a_norm", q_lora_rank_);
+      q_b_ = a.linear("q_b", q_lora_rank_, q_out);
     } else {
-      TORCH_CHECK(w_.q_proj.defined(), "q_proj is needed without q_lora_rank");
-      check_packed(w_.q_proj, hidden_, q_out, "q_proj");
+      q_proj_ = a.linear("q_proj", hidden_, q_out);
     }
-    check_packed(w_.kv_a, hidden_, s_.latent(), "kv_a_proj_with_mqa");
-    check_bias(w_.kv_a_bias, s_.latent(), "kv_a_proj_with_mqa bias");
-    check_vector(w_.kv_a_norm, s_.rank, "kv_a_layernorm");
-    check_float(w_.kv_b, "kv_b_proj");
-    TORCH_CHECK(w_.kv_b.is_contiguous() && w_.kv_b.dim() == 2 && w_.kv_b.size(0) == s_.heads * (s_.dn + s_.dv) &&
-                    w_.kv_b.size(1) == s_.rank,
-                "kv_b_proj must be contiguous [", s_.heads * (s_.dn + s_.dv), ", ", s_.rank, "], got ", w_.kv_b.sizes());
-    check_packed(w_.o, s_.heads * s_.dv, hidden_, "o_proj");
-    check_bias(w_.o_bias, hidden_, "o_proj bias");
+    kv_a_ = a.linear("kv_a", hidden_, s_.latent());
+    kv_a_norm_ = a.vector("kv_a_norm", s_.rank);
+    kv_b_ = a.tensor("kv_b");
+    check_float(kv_b_, "kv_b");
+    TORCH_CHECK(kv_b_.is_contiguous() && kv_b_.dim() == 2 && kv_b_.size(0) == s_.heads * (s_.dn + s_.dv) &&
+                    kv_b_.size(1) == s_.rank,
+                "kv_b must be contiguous [", s_.heads * (s_.dn + s_.dv), ", ", s_.rank, "], got ", kv_b_.sizes());
+    o_ = a.linear("o_proj", s_.heads * s_.dv, hidden_);
+    const torch::Tensor cache = a.tensor("k_cache");
     check_float(cache, "k_cache");
     TORCH_CHECK(cache.dim() == 3 && cache.size(1) == 1 && cache.size(2) == s_.latent() && cache.stride(2) == 1,
                 "the latent cache must be [slots, 1, ", s_.latent(), "], got ", cache.sizes());
@@ -113,16 +92,12 @@ class MlaStep : public LayerStep {
   torch::Tensor run(const torch::Tensor& h, const StepBatch& step, StepStopwatch& watch) override {
     const int64_t n = h.size(0), latent = s_.latent(), q_out = s_.heads * (s_.dn + s_.dr);
     const torch::Tensor q =
-        (q_lora_rank_ > 0
-             ? packed_linear(rms_norm(packed_linear(h, w_.q_a, w_.q_a_bias, q_lora_rank_), c10::nullopt, w_.q_a_norm,
-                                      kLatentNormEps, 0.0),
-                             w_.q_b, c10::nullopt, q_out)
-             : packed_linear(h, w_.q_proj, c10::nullopt, q_out))
+        (q_lora_rank_ > 0 ? q_b_(rms_norm(q_a_(h), c10::nullopt, q_a_norm_, kLatentNormEps, 0.0)) : q_proj_(h))
             .view({n, s_.heads, s_.dn + s_.dr});
-    const torch::Tensor ckv = packed_linear(h, w_.kv_a, w_.kv_a_bias, latent);
+    const torch::Tensor ckv = kv_a_(h);
     watch.lap(StepPart::kLinears);
     const torch::Tensor c =
-        rms_norm(ckv.slice(1, 0, s_.rank).contiguous(), c10::nullopt, w_.kv_a_norm, kLatentNormEps, 0.0);
+        rms_norm(ckv.slice(1, 0, s_.rank).contiguous(), c10::nullopt, kv_a_norm_, kLatentNormEps, 0.0);
     {
       const int64_t* slot = step.slot_mapping[group_].data_ptr<int64_t>();
       const float* cp = c.data_ptr<float>();
@@ -135,10 +110,10 @@ class MlaStep : public LayerStep {
         std::memcpy(row + s_.rank, kp + t * latent + s_.rank, s_.dr * sizeof(float));
       }
     }
-    const torch::Tensor attn = mla_decode(s_, q, cache_, w_.kv_b, step.block_ids[group_], step.kv_offsets[group_],
+    const torch::Tensor attn = mla_decode(s_, q, cache_, kv_b_, step.block_ids[group_], step.kv_offsets[group_],
                                           step.kv_lens[group_], step.block_size, scale_);
     watch.lap(StepPart::kAttention);
-    torch::Tensor o = packed_linear(attn, w_.o, w_.o_bias, hidden_);
+    torch::Tensor o = o_(attn);
     watch.lap(StepPart::kLinears);
     return o;
   }
@@ -147,33 +122,17 @@ class MlaStep : public LayerStep {
   MlaShape s_;
   int64_t hidden_, q_lora_rank_;
   double scale_;
-  Weights w_;
-  torch::Tensor cache_;  // [slots, rank + dr]
   int64_t group_;
+  StepLinear q_proj_;         // without a q LoRA
+  StepLinear q_a_, q_b_;      // with one (q_lora_rank > 0), and q_a's norm
+  torch::Tensor q_a_norm_;
+  StepLinear kv_a_;           // kv_a_proj_with_mqa, and kv_a_layernorm
+  torch::Tensor kv_a_norm_;
+  torch::Tensor kv_b_;        // the plain kv_b_proj weight [heads * (dn + dv), rank]
+  StepLinear o_;
+  torch::Tensor cache_;       // [slots, rank + dr]
 };
 
 }  // namespace
 
-void bind_mla_layer(pybind11::module_& m) {
-  namespace py = pybind11;
-  py::class_<MlaStep, LayerStep, std::shared_ptr<MlaStep>>(m, "MlaStep")
-      .def(py::init([](int64_t heads, int64_t kv_lora_rank, int64_t nope_dim, int64_t rope_dim, int64_t v_dim,
-                       int64_t hidden, int64_t q_lora_rank, double scale, c10::optional<torch::Tensor> q_proj,
-                       c10::optional<torch::Tensor> q_a, c10::optional<torch::Tensor> q_a_bias,
-                       c10::optional<torch::Tensor> q_a_norm, c10::optional<torch::Tensor> q_b, torch::Tensor kv_a,
-                       c10::optional<torch::Tensor> kv_a_bias, torch::Tensor kv_a_norm, torch::Tensor kv_b,
-                       torch::Tensor o_proj, c10::optional<torch::Tensor> o_bias, torch::Tensor k_cache,
-                       int64_t group) {
-             MlaStep::Weights w{q_proj.value_or(torch::Tensor()), q_a.value_or(torch::Tensor()),
-                                q_a_norm.value_or(torch::Tensor()), q_b.value_or(torch::Tensor()),
-                                std::move(q_a_bias), std::move(kv_a), std::move(kv_a_norm), std::move(kv_a_bias),
-                                std::move(kv_b), std::move(o_proj), std::move(o_bias)};
-             return std::make_shared<MlaStep>(MlaShape{heads, kv_lora_rank, nope_dim, rope_dim, v_dim}, hidden,
-                                              q_lora_rank, scale, std::move(w), std::move(k_cache), group);
-           }),
-           py::arg("heads"), py::arg("kv_lora_rank"), py::arg("nope_dim"), py::arg("rope_dim"), py::arg("v_dim"),
-           py::arg("hidden"), py::arg("q_lora_rank"), py::arg("scale"), py::arg("q_proj"), py::arg("q_a"),
-           py::arg("q_a_bias"), py::arg("q_a_norm"), py::arg("q_b"), py::arg("kv_a"), py::arg("kv_a_bias"),
-           py::arg("kv_a_norm"), py::arg("kv_b"), py::arg("o_proj"), py::arg("o_bias"), py::arg("k_cache"),
-           py::arg("group"));
-}
+void bind_mla_layer(pybind11::module_& m) { bind_step<MlaStep>(m, "MlaStep"); }

@@ -1,201 +1,249 @@
 // A mixture of experts as a layer step of the fused decoder (fused_decoder.h), in the stages of
-// the module paths it replays (moe_step.h, sigmoid_route.h): the routing (softmax top-k over a
-// packed router, renormalised or not: SparseMoE; or sigmoid scores with a correction bias and
-// grouped top-k over a plain float32 router: SigmoidRouter), every routed expert on its rows
-// (gated SiLU, or squared ReLU inside an optional latent space: NemotronHMoE's fc1 / fc2), the
-// rows' sums in ascending expert order, then the shared expert (gated SiLU times sigmoid of its
-// gate where it has one, or squared ReLU). Experts another tensor-parallel rank holds are empty.
-#include "fused_decoder.h"
-#include "moe_step.h"
-#include "ops.h"
-#include "sigmoid_route.h"
+// the module paths it replays (baton/models/moe.py, nemotron_h.py), each with their bits: the
+// routing (softmax top-k over a packed router, renormalised or not: SparseMoE; or SigmoidRouter's
+// sigmoid scores with a correction bias that steers the choice only and grouped top-k over a plain
+// float32 router, as its very ATen ops), every routed expert once on all its rows (gated SiLU, or
+// squared ReLU inside an optional latent space: NemotronHMoE's fc1 / fc2), the rows' weighted
+// sums in ascending expert order, then the shared expert (gated SiLU times sigmoid of its gate
+// where it has one, or squared ReLU). Experts another tensor-parallel rank holds are empty.
+#include "torch_rounding.h"  // first: cpu_vec.h picks the vector width before any ATen header
+
 #include "step_common.h"
 
-#include <pybind11/stl.h>
-#include <torch/csrc/utils/pybind.h>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 namespace {
 
-void check_bias(const c10::optional<torch::Tensor>& bias, int64_t n, const char* name) {
-  if (bias.has_value()) check_vector(*bias, n, name);
+// Each row's top_k experts and their weights: [rows * top_k] each
+struct MoeRouting {
+  int64_t top_k;
+  std::vector<int64_t> ids;
+  std::vector<float> weights;
+};
+
+// From the router's logits probs [n, experts] (softmaxed in place): softmax, top-k (the largest
+// first, ties to the lower id, as torch.topk) and, with norm_topk, the weights renormalised.
+MoeRouting softmax_route_(torch::Tensor& probs, int64_t top_k, bool norm_topk) {
+  const int64_t n = probs.size(0), experts = probs.size(1);
+  MoeRouting routing{top_k, std::vector<int64_t>(n * top_k), std::vector<float>(n * top_k)};
+  float* pp = probs.data_ptr<float>();
+  for (int64_t t = 0; t < n; ++t) {
+    float* p = pp + t * experts;
+    torch_softmax_row_(p, experts);
+    std::vector<bool> taken(experts, false);
+    for (int64_t j = 0; j < top_k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < experts; ++e)
+        if (!taken[e] && (best < 0 || p[e] > p[best] || (std::isnan(p[e]) && !std::isnan(p[best])))) best = e;
+      taken[best] = true;
+      routing.ids[t * top_k + j] = best;
+      routing.weights[t * top_k + j] = p[best];
+    }
+    if (norm_topk) {
+      float* w = routing.weights.data() + t * top_k;
+      const float total = torch_row_sum(w, top_k);
+      for (int64_t j = 0; j < top_k; ++j) w[j] = w[j] / total;
+    }
+  }
+  return routing;
 }
 
-// An MLP: gated SiLU (in = gate_up [2I, width]) or squared ReLU (in = up [I, width]); out = down
-struct ExpertWeights {
-  torch::Tensor in, out;
-  c10::optional<torch::Tensor> in_bias, out_bias;
+struct SigmoidRouter {
+  torch::Tensor weight;           // [experts, hidden], float32, not packed
+  torch::Tensor correction_bias;  // [experts]
+  int64_t top_k = 1, n_group = 1, topk_group = 1;
+  bool norm_topk = true;
+  double scaling = 1.0;
 };
+
+void check_sigmoid_router(const SigmoidRouter& r, int64_t hidden) {
+  check_float(r.weight, "router_weight");
+  TORCH_CHECK(r.weight.dim() == 2 && r.weight.size(1) == hidden, "router_weight must be [experts, ", hidden,
+              "], got ", r.weight.sizes());
+  const int64_t experts = r.weight.size(0);
+  check_vector(r.correction_bias, experts, "correction_bias");
+  TORCH_CHECK(r.top_k >= 1 && r.top_k <= experts, "top_k must be in [1, ", experts, "], got ", r.top_k);
+  TORCH_CHECK(r.n_group >= 1 && experts % r.n_group == 0, experts, " experts do not split into ", r.n_group,
+              " groups");
+  TORCH_CHECK(r.n_group == 1 || (experts / r.n_group >= 2 && r.topk_group >= 1 && r.topk_group <= r.n_group &&
+                                 r.top_k <= r.topk_group * (experts / r.n_group)),
+              "bad group routing: ", r.n_group, " groups, ", r.topk_group, " kept, top ", r.top_k);
+}
+
+MoeRouting sigmoid_route(const torch::Tensor& x, const SigmoidRouter& r) {
+  const int64_t t = x.size(0), experts = r.weight.size(0), g = r.n_group;
+  const torch::Tensor scores = at::linear(x, r.weight).sigmoid();
+  torch::Tensor choice = scores + r.correction_bias;
+  if (g > 1) {  // one group is always kept
+    const torch::Tensor group_scores = std::get<0>(choice.view({t, g, -1}).topk(2, -1)).sum(-1);
+    const torch::Tensor groups = std::get<1>(at::topk(group_scores, r.topk_group, -1, true, false));
+    const torch::Tensor keep =
+        at::zeros_like(group_scores, group_scores.options().dtype(at::kBool)).scatter_(1, groups, true);
+    choice = choice.masked_fill(keep.repeat_interleave(experts / g, 1).logical_not(),
+                                -std::numeric_limits<float>::infinity());
+  }
+  const torch::Tensor ids = std::get<1>(at::topk(choice, r.top_k, -1, true, false)).contiguous();
+  torch::Tensor weights = scores.gather(1, ids);
+  if (r.norm_topk) weights = weights / (weights.sum(-1, true) + 1e-20);
+  weights = (weights * r.scaling).contiguous();
+  MoeRouting routing{r.top_k, std::vector<int64_t>(t * r.top_k), std::vector<float>(t * r.top_k)};
+  std::memcpy(routing.ids.data(), ids.data_ptr<int64_t>(), t * r.top_k * sizeof(int64_t));
+  std::memcpy(routing.weights.data(), weights.data_ptr<float>(), t * r.top_k * sizeof(float));
+  return routing;
+}
+
+// An MLP of the mixture: gated SiLU (in: gate_up [2I, width]) or squared ReLU (in: up [I, width])
+torch::Tensor expert_mlp(const torch::Tensor& x, const StepLinear& in, const StepLinear& out, bool relu2) {
+  return relu2 ? relu2_mlp(x, in.weight, in.bias, out.weight, out.bias, in.n, out.n)
+               : out(gated_act(in(x), false));
+}
 
 class MoeStep : public LayerStep {
  public:
-  struct Router {
-    torch::Tensor softmax;         // packed [experts, hidden]: softmax routing, or undefined
-    int64_t top_k = 1;
-    bool norm_topk = true;
-    SigmoidRouterWeights sigmoid;  // used where `softmax` is undefined
-  };
-  struct Latent {
-    torch::Tensor fc1, fc2;  // undefined: the experts work at the hidden width
-    c10::optional<torch::Tensor> fc1_bias, fc2_bias;
-    int64_t width = 0;
-  };
-
-  MoeStep(int64_t hidden, Router router, bool relu2, std::vector<ExpertWeights> experts, int64_t intermediate,
-          Latent latent, ExpertWeights shared, int64_t shared_intermediate, torch::Tensor shared_gate)
-      : hidden_(hidden), router_(std::move(router)), relu2_(relu2), experts_(std::move(experts)),
-        intermediate_(intermediate), latent_(std::move(latent)), shared_(std::move(shared)),
-        shared_intermediate_(shared_intermediate), shared_gate_(std::move(shared_gate)) {
-    const int64_t n = static_cast<int64_t>(experts_.size());
-    TORCH_CHECK(n >= 1, "a mixture of experts needs experts");
-    if (router_.softmax.defined()) {
-      TORCH_CHECK(router_.top_k >= 1 && router_.top_k <= n, "top_k must be in [1, ", n, "], got ", router_.top_k);
-      check_packed(router_.softmax, hidden_, n, "router");
+  explicit MoeStep(StepArgs& a)
+      : hidden_(a.integer("hidden")), relu2_(a.flag("relu2")), intermediate_(a.integer("moe_intermediate")) {
+    const int64_t top_k = a.integer("top_k");
+    const bool norm_topk = a.flag("norm_topk_prob");
+    const std::vector<torch::Tensor> in = a.tensors("expert_in"), out = a.tensors("expert_out");
+    const int64_t n = static_cast<int64_t>(in.size());
+    TORCH_CHECK(n >= 1 && out.size() == in.size(), "a mixture of experts needs experts, each with two projections");
+    softmax_router_ = a.linear("router", hidden_, n, true);
+    top_k_ = top_k;
+    norm_topk_ = norm_topk;
+    if (softmax_router_.defined()) {
+      TORCH_CHECK(top_k >= 1 && top_k <= n, "top_k must be in [1, ", n, "], got ", top_k);
     } else {
-      check_sigmoid_router(router_.sigmoid, hidden_);
-      TORCH_CHECK(router_.sigmoid.weight.size(0) == n, "one expert per router row: ", n, " experts for ",
-                  router_.sigmoid.weight.size(0), " rows");
+      sigmoid_ = SigmoidRouter{a.tensor("router_weight"), a.tensor("correction_bias"), top_k,
+                               a.integer("n_group"), a.integer("topk_group"), norm_topk,
+                               a.real("routed_scaling_factor")};
+      check_sigmoid_router(sigmoid_, hidden_);
+      TORCH_CHECK(sigmoid_.weight.size(0) == n, "one expert per router row: ", n, " experts for ",
+                  sigmoid_.weight.size(0), " rows");
     }
-    TORCH_CHECK(latent_.fc1.defined() == latent_.fc2.defined(), "a latent space needs fc1 and fc2");
-    if (!latent_.fc1.defined()) latent_.width = hidden_;
-    if (latent_.fc1.defined()) {
-      check_packed(latent_.fc1, hidden_, latent_.width, "fc1_latent_proj");
-      check_bias(latent_.fc1_bias, latent_.width, "fc1_latent_proj bias");
-      check_packed(latent_.fc2, latent_.width, hidden_, "fc2_latent_proj");
-      check_bias(latent_.fc2_bias, hidden_, "fc2_latent_proj bias");
-    }
+    const bool latent = a.has("fc1");
+    width_ = latent ? a.integer("width") : hidden_;
     const int64_t in_rows = (relu2_ ? 1 : 2) * intermediate_;
-    for (const ExpertWeights& e : experts_) {
-      if (e.in.numel() == 0 && e.out.numel() == 0) continue;  // held by another rank
-      TORCH_CHECK(!e.in_bias.has_value() && !e.out_bias.has_value(), "routed experts have no biases");
-      check_packed(e.in, latent_.width, in_rows, "expert gate_up / up_proj");
-      check_packed(e.out, intermediate_, latent_.width, "expert down_proj");
+    for (int64_t e = 0; e < n; ++e) {
+      if (in[e].numel() == 0 && out[e].numel() == 0) {  // held by another rank
+        experts_.push_back({});
+        continue;
+      }
+      check_packed(in[e], width_, in_rows, "expert_in");
+      check_packed(out[e], intermediate_, width_, "expert_out");
+      experts_.push_back({StepLinear{in[e], c10::nullopt, in_rows}, StepLinear{out[e], c10::nullopt, width_}});
     }
-    TORCH_CHECK(shared_.in.defined() == shared_.out.defined(), "the shared expert needs its two projections");
-    if (shared_.in.defined()) {
-      check_packed(shared_.in, hidden_, (relu2_ ? 1 : 2) * shared_intermediate_, "shared gate_up / up_proj");
-      check_bias(shared_.in_bias, (relu2_ ? 1 : 2) * shared_intermediate_, "shared up_proj bias");
-      check_packed(shared_.out, shared_intermediate_, hidden_, "shared down_proj");
-      check_bias(shared_.out_bias, hidden_, "shared down_proj bias");
-      TORCH_CHECK(relu2_ || (!shared_.in_bias.has_value() && !shared_.out_bias.has_value()),
-                  "a gated shared expert has no biases");
-    }
-    TORCH_CHECK(!shared_gate_.defined() || (shared_.in.defined() && !relu2_),
+    const int64_t shared_intermediate = a.integer("shared_intermediate");
+    const int64_t shared_rows = (relu2_ ? 1 : 2) * shared_intermediate;
+    shared_in_ = a.linear("shared_in", hidden_, shared_rows, true);
+    shared_out_ = a.linear("shared_out", shared_intermediate, hidden_, true);
+    TORCH_CHECK(shared_in_.defined() == shared_out_.defined(), "the shared expert needs its two projections");
+    TORCH_CHECK(relu2_ || (!shared_in_.bias && !shared_out_.bias), "a gated shared expert has no biases");
+    shared_gate_ = a.linear("shared_gate", hidden_, 1, true);
+    TORCH_CHECK(!shared_gate_.defined() || (shared_in_.defined() && !relu2_),
                 "a shared-expert gate needs a gated shared expert");
-    if (shared_gate_.defined()) check_packed(shared_gate_, hidden_, 1, "shared_expert_gate");
+    TORCH_CHECK(relu2_ || !latent, "a latent space is for squared-ReLU experts");
+    if (latent) {
+      fc1_ = a.linear("fc1", hidden_, width_);
+      fc2_ = a.linear("fc2", width_, hidden_);
+    }
   }
 
   torch::Tensor run(const torch::Tensor& x, const StepBatch&, StepStopwatch& watch) override {
-    const int64_t n = static_cast<int64_t>(experts_.size());
     MoeRouting routing;
-    if (router_.softmax.defined()) {
-      torch::Tensor probs = packed_linear(x, router_.softmax, c10::nullopt, n);
+    if (softmax_router_.defined()) {
+      torch::Tensor probs = softmax_router_(x);
       watch.lap(StepPart::kLinears);
-      routing = moe_route_(probs, router_.top_k, router_.norm_topk);
+      routing = softmax_route_(probs, top_k_, norm_topk_);
     } else {
-      routing = sigmoid_route(x, router_.sigmoid);
+      routing = sigmoid_route(x, sigmoid_);
     }
     watch.lap(StepPart::kNorms);
-    torch::Tensor out;
-    if (!relu2_) {
-      std::vector<torch::Tensor> gate_up, down;
-      for (const ExpertWeights& e : experts_) {
-        gate_up.push_back(e.in);
-        down.push_back(e.out);
-      }
-      out = moe_experts(x, routing, gate_up, down, intermediate_);
-    } else {
-      const torch::Tensor xe =
-          latent_.fc1.defined() ? packed_linear(x, latent_.fc1, latent_.fc1_bias, latent_.width) : x;
-      out = moe_experts_by(xe, routing, n, [&](int64_t e, const torch::Tensor& rows) {
-        const ExpertWeights& w = experts_[e];
-        if (w.in.numel() == 0) return torch::Tensor();  // elsewhere
-        return relu2_mlp(rows, w.in, c10::nullopt, w.out, c10::nullopt, intermediate_, latent_.width);
-      });
-      if (latent_.fc2.defined()) out = packed_linear(out, latent_.fc2, latent_.fc2_bias, hidden_);
-    }
+    torch::Tensor out = routed_experts(fc1_.defined() ? fc1_(x) : x, routing);
+    if (fc2_.defined()) out = fc2_(out);
     watch.lap(StepPart::kExperts);
-    if (shared_.in.defined()) {
-      if (relu2_)
-        out.add_(relu2_mlp(x, shared_.in, shared_.in_bias, shared_.out, shared_.out_bias, shared_intermediate_,
-                           hidden_));
-      else
-        moe_add_shared_(out, x, shared_.in, shared_.out, shared_intermediate_, shared_gate_);
+    if (shared_in_.defined()) {
+      add_shared_(out, x);
       watch.lap(StepPart::kExperts);
     }
     return out;
   }
 
  private:
-  int64_t hidden_;
-  Router router_;
-  bool relu2_;
-  std::vector<ExpertWeights> experts_;
-  int64_t intermediate_;
-  Latent latent_;
-  ExpertWeights shared_;
-  int64_t shared_intermediate_;
-  torch::Tensor shared_gate_;
-};
+  // sum over each row's routed experts, in ascending expert order, of weight * expert(x), each
+  // expert run once on all its rows; a weighted row is added as torch's index_add_ of the rounded
+  // products
+  torch::Tensor routed_experts(const torch::Tensor& x, const MoeRouting& routing) const {
+    const int64_t n = x.size(0), width = x.size(1), top_k = routing.top_k;
+    torch::Tensor out = torch::zeros({n, width}, x.options());
+    float* outp = out.data_ptr<float>();
+    const float* xp = x.data_ptr<float>();
+    std::vector<int64_t> rows;
+    std::vector<float> row_weights;
+    for (int64_t e = 0; e < static_cast<int64_t>(experts_.size()); ++e) {
+      rows.clear();
+      row_weights.clear();
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t j = 0; j < top_k; ++j)
+          if (routing.ids[t * top_k + j] == e) {
+            rows.push_back(t);
+            row_weights.push_back(routing.weights[t * top_k + j]);
+          }
+      if (rows.empty() || !experts_[e].first.defined()) continue;  // another rank adds an absent expert's share
+      const int64_t m = static_cast<int64_t>(rows.size());
+      torch::Tensor xe = torch::empty({m, width}, x.options());
+      for (int64_t i = 0; i < m; ++i)
+        std::memcpy(xe.data_ptr<float>() + i * width, xp + rows[i] * width, width * sizeof(float));
+      const torch::Tensor y = expert_mlp(xe, experts_[e].first, experts_[e].second, relu2_);
+      const float* yp = y.data_ptr<float>();
+      for (int64_t i = 0; i < m; ++i) {
+        float* o = outp + rows[i] * width;
+        for (int64_t c = 0; c < width; ++c) {
+          float v = yp[i * width + c] * row_weights[i];
+          BATON_ROUNDED(v);
+          o[c] = o[c] + v;
+        }
+      }
+    }
+    return out;
+  }
 
-std::vector<ExpertWeights> expert_weights(std::vector<torch::Tensor> in, std::vector<torch::Tensor> out) {
-  TORCH_CHECK(in.size() == out.size(), "one input and one output projection per expert");
-  std::vector<ExpertWeights> experts;
-  for (size_t e = 0; e < in.size(); ++e) experts.push_back({std::move(in[e]), std::move(out[e]), {}, {}});
-  return experts;
-}
+  // out += shared(x), times sigmoid(shared_gate(x)) where there is a gate
+  void add_shared_(torch::Tensor& out, const torch::Tensor& x) const {
+    const torch::Tensor shared = expert_mlp(x, shared_in_, shared_out_, relu2_);
+    if (!shared_gate_.defined()) {
+      out.add_(shared);
+      return;
+    }
+    const int64_t n = x.size(0), hidden = x.size(1);
+    torch::Tensor gate = shared_gate_(x);
+    float* gp = gate.data_ptr<float>();
+    torch_unary(gp, gp, n, 1, true, Sigmoid());
+    float* outp = out.data_ptr<float>();
+    const float* sp = shared.data_ptr<float>();
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t c = 0; c < hidden; ++c) {
+        float v = gp[t] * sp[t * hidden + c];
+        BATON_ROUNDED(v);
+        outp[t * hidden + c] = outp[t * hidden + c] + v;
+      }
+  }
+
+  int64_t hidden_;
+  bool relu2_;
+  int64_t intermediate_, width_ = 0, top_k_ = 1;
+  bool norm_topk_ = true;
+  StepLinear softmax_router_;  // packed [experts, hidden]: softmax routing; undefined: sigmoid_
+  SigmoidRouter sigmoid_;
+  std::vector<std::pair<StepLinear, StepLinear>> experts_;  // (in, out); undefined: another rank's
+  StepLinear fc1_, fc2_;                                   // the latent space; undefined: none
+  StepLinear shared_in_, shared_out_, shared_gate_;
+};
 
 }  // namespace
 
-void bind_moe_layer(pybind11::module_& m) {
-  namespace py = pybind11;
-  py::class_<MoeStep, LayerStep, std::shared_ptr<MoeStep>>(m, "MoeStep")
-      // SparseMoE: softmax routing over a packed router, gated-SiLU experts, a shared expert that
-      // may have a gate
-      .def(py::init([](int64_t hidden, torch::Tensor router, int64_t top_k, bool norm_topk_prob,
-                       std::vector<torch::Tensor> expert_gate_up, std::vector<torch::Tensor> expert_down,
-                       int64_t moe_intermediate, c10::optional<torch::Tensor> shared_gate_up,
-                       c10::optional<torch::Tensor> shared_down, int64_t shared_intermediate,
-                       c10::optional<torch::Tensor> shared_gate) {
-             MoeStep::Router r;
-             r.softmax = std::move(router);
-             r.top_k = top_k;
-             r.norm_topk = norm_topk_prob;
-             return std::make_shared<MoeStep>(
-                 hidden, std::move(r), false, expert_weights(std::move(expert_gate_up), std::move(expert_down)),
-                 moe_intermediate, MoeStep::Latent{},
-                 ExpertWeights{shared_gate_up.value_or(torch::Tensor()), shared_down.value_or(torch::Tensor()), {}, {}},
-                 shared_intermediate, shared_gate.value_or(torch::Tensor()));
-           }),
-           py::arg("hidden"), py::arg("router"), py::arg("top_k"), py::arg("norm_topk_prob"),
-           py::arg("expert_gate_up"), py::arg("expert_down"), py::arg("moe_intermediate"), py::arg("shared_gate_up"),
-           py::arg("shared_down"), py::arg("shared_intermediate"), py::arg("shared_gate"))
-      // SigmoidRouter routing (a plain float32 weight, correction bias, grouped top-k); gated-SiLU
-      // experts (relu2 false) or squared-ReLU ones in an optional latent space (relu2 true)
-      .def(py::init([](int64_t hidden, torch::Tensor router_weight, torch::Tensor correction_bias, int64_t top_k,
-                       int64_t n_group, int64_t topk_group, bool norm_topk_prob, double routed_scaling_factor,
-                       bool relu2, std::vector<torch::Tensor> expert_in, std::vector<torch::Tensor> expert_out,
-                       int64_t moe_intermediate, c10::optional<torch::Tensor> fc1,
-                       c10::optional<torch::Tensor> fc1_bias, c10::optional<torch::Tensor> fc2,
-                       c10::optional<torch::Tensor> fc2_bias, int64_t width, c10::optional<torch::Tensor> shared_in,
-                       c10::optional<torch::Tensor> shared_in_bias, c10::optional<torch::Tensor> shared_out,
-                       c10::optional<torch::Tensor> shared_out_bias, int64_t shared_intermediate) {
-             MoeStep::Router r;
-             r.sigmoid = SigmoidRouterWeights{std::move(router_weight), std::move(correction_bias), top_k, n_group,
-                                              topk_group, norm_topk_prob, routed_scaling_factor};
-             MoeStep::Latent latent{fc1.value_or(torch::Tensor()), fc2.value_or(torch::Tensor()), std::move(fc1_bias),
-                                    std::move(fc2_bias), width};
-             return std::make_shared<MoeStep>(
-                 hidden, std::move(r), relu2, expert_weights(std::move(expert_in), std::move(expert_out)),
-                 moe_intermediate, std::move(latent),
-                 ExpertWeights{shared_in.value_or(torch::Tensor()), shared_out.value_or(torch::Tensor()),
-                               std::move(shared_in_bias), std::move(shared_out_bias)},
-                 shared_intermediate, torch::Tensor());
-           }),
-           py::arg("hidden"), py::arg("router_weight"), py::arg("correction_bias"), py::arg("top_k"),
-           py::arg("n_group"), py::arg("topk_group"), py::arg("norm_topk_prob"), py::arg("routed_scaling_factor"),
-           py::arg("relu2"), py::arg("expert_in"), py::arg("expert_out"), py::arg("moe_intermediate"),
-           py::arg("fc1") = py::none(), py::arg("fc1_bias") = py::none(), py::arg("fc2") = py::none(),
-           py::arg("fc2_bias") = py::none(), py::arg("width") = 0, py::arg("shared_in") = py::none(),
-           py::arg("shared_in_bias") = py::none(), py::arg("shared_out") = py::none(),
-           py::arg("shared_out_bias") = py::none(), py::arg("shared_intermediate") = 0);
-}
+void bind_moe_layer(pybind11::module_& m) { bind_step<MoeStep>(m, "MoeStep"); }

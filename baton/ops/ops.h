@@ -61,3 +61,11 @@ torch::Tensor zeros_on_demand(int64_t nbytes);
 torch::Tensor recurrent_scan_(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const torch::Tensor& decay, const c10::optional<torch::Tensor>& beta,
                               torch::Tensor& state);
+// The scan of one token per row (a decode step), row t over the state of its slot slots[t] in
+// state [slots, H, Dk, Dv] (each entry contiguous), with recurrent_scan_'s arithmetic per lane:
+// q, k [rows, Hk, Dk] and v [rows, H, Dv], each row at any stride and contiguous within (head h
+// reads q and k of head h / (H / Hk)); decay [rows, H] or [rows, H, Dk] and beta [rows, H] or
+// undefined, contiguous. The steps that call it have checked the shapes; out [rows, H, Dv].
+torch::Tensor recurrent_step_(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& decay, const torch::Tensor& beta, torch::Tensor& state,
+                              const std::vector<int64_t>& slots);

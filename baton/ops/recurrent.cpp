@@ -91,6 +91,34 @@ void scan_block(const float* q, const float* k, const float* v, const float* g, 
   }
 }
 
+using ScanKernel = decltype(&scan_block<1, false>);
+constexpr ScanKernel kScanKernels[kBlockVecs][2] = {{&scan_block<1, false>, &scan_block<1, true>},
+                                                    {&scan_block<2, false>, &scan_block<2, true>},
+                                                    {&scan_block<3, false>, &scan_block<3, true>},
+                                                    {&scan_block<4, false>, &scan_block<4, true>}};
+
+// The kernel of a task over `width` columns: its vector count and the lanes in its last vector
+ScanKernel scan_kernel(int64_t width, int64_t& last) {
+  const int64_t nv = (width + Vec::size() - 1) / Vec::size();
+  last = width - (nv - 1) * Vec::size();
+  return kScanKernels[nv - 1][last < Vec::size()];
+}
+
+// exp(decay), a vector at a time: the same function for every element whatever its position, so
+// a token's factor does not depend on the call's length or its row
+torch::Tensor exp_decay(const torch::Tensor& decay) {
+  auto g = torch::empty_like(decay);
+  const float* src = decay.data_ptr<float>();
+  float* dst = g.data_ptr<float>();
+  at::parallel_for(0, decay.numel(), kGrainFloats, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i += Vec::size()) {
+      const int64_t m = std::min<int64_t>(Vec::size(), end - i);
+      Vec::loadu(src + i, m).exp().store(dst + i, m);
+    }
+  });
+  return g;
+}
+
 void check_input(const torch::Tensor& t, const char* name, const char* shape, int64_t dim) {
   TORCH_CHECK(t.dim() == dim && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous(), name,
               " must be a contiguous float32 CPU tensor ", shape, ", got ", t.scalar_type(), " ", t.sizes(),
@@ -142,21 +170,7 @@ torch::Tensor recurrent_scan_(const torch::Tensor& q, const torch::Tensor& k, co
   auto out = torch::empty({tokens, heads, dv}, q.options());
   if (tokens == 0 || heads == 0 || dv == 0) return out;
 
-  // exp(decay) once for the call, a vector at a time: the same function for every element
-  // whatever its position, so a token's factor does not depend on the call's length
-  auto g = torch::empty_like(decay);
-  {
-    const float* src = decay.data_ptr<float>();
-    float* dst = g.data_ptr<float>();
-    const int64_t n = decay.numel();
-    at::parallel_for(0, n, kGrainFloats, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; i += Vec::size()) {
-        const int64_t m = std::min<int64_t>(Vec::size(), end - i);
-        Vec::loadu(src + i, m).exp().store(dst + i, m);
-      }
-    });
-  }
-
+  const torch::Tensor g = exp_decay(decay);
   constexpr int64_t block = kBlockVecs * Vec::size();
   const int64_t blocks = (dv + block - 1) / block;
   const int64_t grain = std::max<int64_t>(1, kGrainFloats / std::max<int64_t>(1, tokens * dk * std::min(dv, block)));
@@ -167,15 +181,40 @@ torch::Tensor recurrent_scan_(const torch::Tensor& q, const torch::Tensor& k, co
   at::parallel_for(0, heads * blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / blocks, j0 = (task % blocks) * block;
-      const int64_t width = std::min(block, dv - j0);
-      const int64_t nv = (width + Vec::size() - 1) / Vec::size();
-      const int64_t last = width - (nv - 1) * Vec::size();
-      using Kernel = decltype(&scan_block<1, false>);
-      static constexpr Kernel kernels[kBlockVecs][2] = {{&scan_block<1, false>, &scan_block<1, true>},
-                                                        {&scan_block<2, false>, &scan_block<2, true>},
-                                                        {&scan_block<3, false>, &scan_block<3, true>},
-                                                        {&scan_block<4, false>, &scan_block<4, true>}};
-      kernels[nv - 1][last < Vec::size()](qp, kp, vp, gp, per_channel, bp, sp, op, tokens, heads, h, dk, dv, j0, last);
+      int64_t last;
+      const ScanKernel kernel = scan_kernel(std::min(block, dv - j0), last);
+      kernel(qp, kp, vp, gp, per_channel, bp, sp, op, tokens, heads, h, dk, dv, j0, last);
+    }
+  });
+  return out;
+}
+
+torch::Tensor recurrent_step_(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& decay, const torch::Tensor& beta, torch::Tensor& state,
+                              const std::vector<int64_t>& slots) {
+  const int64_t rows = q.size(0), group = v.size(1) / q.size(1), heads = v.size(1), dk = q.size(2), dv = v.size(2);
+  const bool per_channel = decay.dim() == 3;
+  auto out = torch::empty({rows, heads, dv}, v.options());
+  const torch::Tensor g = exp_decay(decay);
+  constexpr int64_t block = kBlockVecs * Vec::size();
+  const int64_t blocks = (dv + block - 1) / block;
+  const int64_t grain = std::max<int64_t>(1, kGrainFloats / std::max<int64_t>(1, dk * std::min(dv, block)));
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  const float* bp = beta.defined() ? beta.data_ptr<float>() : nullptr;
+  float* sp = state.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t g_head = per_channel ? dk : 1, state_stride = state.stride(0);
+  at::parallel_for(0, rows * heads * blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / (heads * blocks), h = task / blocks % heads, j0 = task % blocks * block;
+      const int64_t th = t * heads + h, qk = h / group * dk;
+      int64_t last;
+      // the task as a scan of one token and one head over this row's slot
+      scan_kernel(std::min(block, dv - j0), last)(
+          qp + t * q.stride(0) + qk, kp + t * k.stride(0) + qk, vp + t * v.stride(0) + h * dv, gp + th * g_head,
+          per_channel, bp ? bp + th : nullptr, sp + slots[t] * state_stride + h * dk * dv, op + th * dv, 1, 1, 0, dk,
+          dv, j0, last);
     }
   });
   return out;

@@ -1,7 +1,9 @@
-// The fused decode steps' shared metadata checks and state checkpoints (step_common.h).
+// The fused decode steps' arguments, shared checks, causal conv and state checkpoints (step_common.h).
+#include "torch_rounding.h"  // first: cpu_vec.h picks the vector width before any ATen header
+
 #include "step_common.h"
 
-#include "ops.h"
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstring>
@@ -34,19 +36,23 @@ void check_packed(const torch::Tensor& t, int64_t k, int64_t n, const char* name
               name, " must be packed panels of a [", n, ", ", k, "] weight, got ", t.sizes());
 }
 
+namespace {
+
+// A recurrent layer's causal-conv weight [channels, kc] and its tensors of running slots and
+// checkpoints: conv ones [n, channels, kc - 1], recurrent ones [n, *state_shape], each entry
+// contiguous, as many conv as recurrent entries.
 void check_recurrent_tensors(const torch::Tensor& conv_weight, int64_t channels, int64_t kc,
                              const torch::Tensor& conv_state, const torch::Tensor& state,
                              const torch::Tensor& conv_checkpoints, const torch::Tensor& checkpoints,
-                             const std::vector<int64_t>& state_shape, const char* state_name,
-                             const char* checkpoints_name) {
+                             const std::vector<int64_t>& state_shape) {
   TORCH_CHECK(conv_weight.is_contiguous() && conv_weight.dim() == 2 && conv_weight.size(0) == channels &&
                   conv_weight.size(1) == kc,
               "conv_weight must be contiguous [", channels, ", ", kc, "], got ", conv_weight.sizes());
   const std::vector<int64_t> conv_shape{channels, kc - 1};
   for (const auto& [t, shape, name] : {std::tuple{&conv_state, &conv_shape, "conv_state"},
-                                       std::tuple{&state, &state_shape, state_name},
+                                       std::tuple{&state, &state_shape, "rec_state"},
                                        std::tuple{&conv_checkpoints, &conv_shape, "conv_checkpoints"},
-                                       std::tuple{&checkpoints, &state_shape, checkpoints_name}}) {
+                                       std::tuple{&checkpoints, &state_shape, "rec_checkpoints"}}) {
     check_float(*t, name);
     TORCH_CHECK(t->dim() == 1 + static_cast<int64_t>(shape->size()) && t->sizes().slice(1) == *shape &&
                     (t->size(0) == 0 || t->select(0, 0).is_contiguous()),
@@ -55,6 +61,8 @@ void check_recurrent_tensors(const torch::Tensor& conv_weight, int64_t channels,
   TORCH_CHECK(conv_checkpoints.size(0) == checkpoints.size(0), "one conv and one state checkpoint per id");
   TORCH_CHECK(conv_state.size(0) == state.size(0), "one conv and one state slot per slot");
 }
+
+}  // namespace
 
 void check_kv_step(int64_t n, const std::vector<torch::Tensor>& slot_mapping,
                    const std::vector<torch::Tensor>& block_ids, const std::vector<torch::Tensor>& kv_offsets,
@@ -144,4 +152,111 @@ void write_kv(const torch::Tensor& src, torch::Tensor& cache, const torch::Tenso
     case at::kBFloat16: return write_kv_rows<at::BFloat16>(src, cache, slots);
     default: return write_kv_rows<float>(src, cache, slots);
   }
+}
+
+StepArgs::StepArgs(const pybind11::kwargs& kwargs) {
+  for (const auto& [key, value] : kwargs) args_[key.cast<std::string>()] = pybind11::reinterpret_borrow<pybind11::object>(value);
+}
+
+pybind11::object StepArgs::take(const std::string& name, bool required) {
+  const auto it = args_.find(name);
+  if (it == args_.end() || it->second.is_none()) {
+    TORCH_CHECK(!required, "missing argument ", name);
+    if (it != args_.end()) args_.erase(it);
+    return pybind11::none();
+  }
+  pybind11::object value = std::move(it->second);
+  args_.erase(it);
+  return value;
+}
+
+bool StepArgs::has(const char* name) const {
+  const auto it = args_.find(name);
+  return it != args_.end() && !it->second.is_none();
+}
+
+int64_t StepArgs::integer(const char* name) { return take(name, true).cast<int64_t>(); }
+double StepArgs::real(const char* name) { return take(name, true).cast<double>(); }
+
+bool StepArgs::flag(const char* name, bool fallback) {
+  const pybind11::object v = take(name, false);
+  return v.is_none() ? fallback : v.cast<bool>();
+}
+
+torch::Tensor StepArgs::tensor(const char* name) {
+  const pybind11::object v = take(name, false);
+  return v.is_none() ? torch::Tensor() : v.cast<torch::Tensor>();
+}
+
+std::vector<torch::Tensor> StepArgs::tensors(const char* name) {
+  return take(name, true).cast<std::vector<torch::Tensor>>();
+}
+
+std::vector<int64_t> StepArgs::integers(const char* name) { return take(name, true).cast<std::vector<int64_t>>(); }
+
+torch::Tensor StepArgs::vector(const char* name, int64_t n) {
+  torch::Tensor t = tensor(name);
+  check_vector(t, n, name);
+  return t;
+}
+
+StepLinear StepArgs::linear(const std::string& name, int64_t k, int64_t n, bool optional) {
+  StepLinear l{tensor(name.c_str()), c10::nullopt, n};
+  TORCH_CHECK(optional || l.defined(), "missing argument ", name);
+  const std::string bias_name = name + "_bias";
+  torch::Tensor bias = tensor(bias_name.c_str());
+  if (!l.defined()) {
+    TORCH_CHECK(!bias.defined(), bias_name, " without ", name);
+    return l;
+  }
+  check_packed(l.weight, k, n, name.c_str());
+  if (bias.defined()) {
+    check_vector(bias, n, bias_name.c_str());
+    l.bias = std::move(bias);
+  }
+  return l;
+}
+
+NormWeights StepArgs::norm(const char* name) {
+  const pybind11::object v = take(name, false);
+  return v.is_none() ? NormWeights{} : v.cast<NormWeights>();
+}
+
+StateTensors StepArgs::state(const torch::Tensor& conv_weight, int64_t channels, int64_t kc,
+                             const std::vector<int64_t>& state_shape) {
+  StateTensors s{tensor("conv_state"), tensor("rec_state"), tensor("conv_checkpoints"), tensor("rec_checkpoints")};
+  TORCH_CHECK(kc >= 2, "conv kernel must be at least 2, got ", kc);
+  check_float(conv_weight, "conv_weight");
+  check_recurrent_tensors(conv_weight, channels, kc, s.conv, s.rec, s.conv_ckpt, s.rec_ckpt, state_shape);
+  return s;
+}
+
+void StepArgs::finish(const char* step) const {
+  std::string unknown;
+  for (const auto& [name, value] : args_)
+    if (!value.is_none()) unknown += (unknown.empty() ? "" : ", ") + name;  // None: not given
+  TORCH_CHECK(unknown.empty(), step, " takes no argument(s) ", unknown);
+}
+
+torch::Tensor causal_conv_silu_(const torch::Tensor& proj, const std::vector<int64_t>& columns,
+                                const torch::Tensor& weight, const torch::Tensor& bias, torch::Tensor& conv_state,
+                                const std::vector<int64_t>& slots) {
+  const int64_t rows = proj.size(0), channels = static_cast<int64_t>(columns.size()), kc = weight.size(1);
+  torch::Tensor conv = torch::empty({rows, channels}, proj.options());
+  const float* src = proj.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* out = conv.data_ptr<float>();
+  float* states = conv_state.data_ptr<float>();
+  const int64_t src_stride = proj.stride(0), state_stride = conv_state.stride(0);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* window = states + slots[t] * state_stride;
+      for (int64_t c = 0; c < channels; ++c)
+        out[t * channels + c] = conv_window_step(w + c * kc, window + c * (kc - 1), kc - 1,
+                                                 src[t * src_stride + columns[c]], b ? b[c] : 0.f);
+    }
+  });
+  torch_unary(out, out, rows, channels, true, Silu());
+  return conv;
 }

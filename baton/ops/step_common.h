@@ -1,14 +1,20 @@
 #pragma once
-// What the fused decoder's layer steps (fused_decoder.h) share: the checks of their weights and of
-// a step's KV and state metadata before any write, a recurrent layer's state tensors, one channel
-// of a causal conv over its slot's window, and the state checkpoints a decode row takes before or
-// after its token (baton/models/recurrent.py's segments).
+// What the fused decoder's layer steps (fused_decoder.h) share: their constructor arguments by
+// name with the checks of their weights, the checks of a step's KV and state metadata before any
+// write, a recurrent layer's state tensors and its causal conv over each row's window, and the
+// state checkpoints a decode row takes before or after its token (baton/models/recurrent.py's
+// segments).
+#include <torch/csrc/utils/pybind.h>
 #include <torch/types.h>
 
 #include "fused_decoder.h"
+#include "ops.h"
 
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
 #include <vector>
 
 // A layer's weights: a float32 CPU tensor; a contiguous one of n floats; the packed panels
@@ -16,15 +22,6 @@
 void check_float(const torch::Tensor& t, const char* name);
 void check_vector(const torch::Tensor& t, int64_t n, const char* name);
 void check_packed(const torch::Tensor& t, int64_t k, int64_t n, const char* name);
-
-// A recurrent layer's causal-conv weight [channels, kc] and its tensors of running slots and
-// checkpoints: conv ones [n, channels, kc - 1], recurrent ones [n, *state_shape] (named
-// `state_name` and `checkpoints_name`), each entry contiguous, as many conv as recurrent entries.
-void check_recurrent_tensors(const torch::Tensor& conv_weight, int64_t channels, int64_t kc,
-                             const torch::Tensor& conv_state, const torch::Tensor& state,
-                             const torch::Tensor& conv_checkpoints, const torch::Tensor& checkpoints,
-                             const std::vector<int64_t>& state_shape, const char* state_name,
-                             const char* checkpoints_name);
 
 // A step of n decode rows: per KV group g that some layer reads (group_slots[g] its layers'
 // fewest cache slots; int64 max where no layer reads it), the slot each row writes and the
@@ -81,3 +78,60 @@ struct StateTensors {
                     step.snapshot_ids, offset);
   }
 };
+
+// A projection of a step: the packed panels or GGUF blocks of an [n, k] weight (undefined:
+// absent), an optional float32 bias [n]
+struct StepLinear {
+  torch::Tensor weight;
+  c10::optional<torch::Tensor> bias;
+  int64_t n = 0;
+  bool defined() const { return weight.defined(); }
+  torch::Tensor operator()(const torch::Tensor& x) const { return packed_linear(x, weight, bias, n); }
+};
+
+// A layer step's constructor arguments, by the names the Python binder passes them with. Each is
+// read once and checked as it is read; finish() throws on a name no reader took (a misspelled or
+// unknown argument), so a binder and its step cannot drift apart silently.
+class StepArgs {
+ public:
+  explicit StepArgs(const pybind11::kwargs& kwargs);
+  bool has(const char* name) const;  // given, and not None
+  int64_t integer(const char* name);
+  double real(const char* name);
+  bool flag(const char* name, bool fallback = false);
+  torch::Tensor tensor(const char* name);  // undefined where absent or None
+  std::vector<torch::Tensor> tensors(const char* name);
+  std::vector<int64_t> integers(const char* name);
+  torch::Tensor vector(const char* name, int64_t n);  // a contiguous float32 [n], required
+  // `name` (packed, [n, k]) and its optional bias `name`_bias [n]; required unless `optional`
+  StepLinear linear(const std::string& name, int64_t k, int64_t n, bool optional = false);
+  NormWeights norm(const char* name);  // a NormWeights object, or none
+  // conv_state, rec_state, conv_checkpoints, rec_checkpoints of a conv over `channels` with the
+  // weight conv_weight [channels, kc] and a recurrent state of `state_shape` (each entry)
+  StateTensors state(const torch::Tensor& conv_weight, int64_t channels, int64_t kc,
+                     const std::vector<int64_t>& state_shape);
+  void finish(const char* step) const;
+
+ private:
+  pybind11::object take(const std::string& name, bool required);
+  std::map<std::string, pybind11::object> args_;
+};
+
+// The Python class `name` of step T, built by keyword from T(StepArgs&)
+template <class T>
+void bind_step(pybind11::module_& m, const char* name) {
+  pybind11::class_<T, LayerStep, std::shared_ptr<T>>(m, name).def(
+      pybind11::init([name](const pybind11::kwargs& kwargs) {
+        StepArgs args(kwargs);
+        auto step = std::make_shared<T>(args);
+        args.finish(name);
+        return step;
+      }));
+}
+
+// silu(depthwise causal conv) [rows, columns] of the columns `columns` of proj [rows, *], each
+// over its row's window in conv_state [slots, columns, kc - 1] (conv_window_step per channel, the
+// window shifting by one); bias undefined: none
+torch::Tensor causal_conv_silu_(const torch::Tensor& proj, const std::vector<int64_t>& columns,
+                                const torch::Tensor& weight, const torch::Tensor& bias, torch::Tensor& conv_state,
+                                const std::vector<int64_t>& slots);
