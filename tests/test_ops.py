@@ -232,6 +232,23 @@ def test_fused_decode_step_rejects_bad_metadata_before_writing_the_cache(metadat
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
 
 
+def test_a_layer_step_refuses_unknown_missing_and_misshapen_arguments():
+    g = torch.Generator().manual_seed(3)
+    args = dict(
+        gate_up=[pack_weight_panels(torch.randn(16, 8, generator=g))], gate_up_rows=[16],
+        down=pack_weight_panels(torch.randn(8, 8, generator=g)), intermediate=8, hidden=8, gelu_tanh=False,
+    )  # fmt: skip
+    ops().GatedMlpStep(**args)  # the good arguments build it
+    with pytest.raises(RuntimeError, match="GatedMlpStep takes no argument.*down_bais"):
+        ops().GatedMlpStep(**args, down_bais=torch.zeros(8))
+    with pytest.raises(RuntimeError, match="missing argument down"):
+        ops().GatedMlpStep(**{k: v for k, v in args.items() if k != "down"})
+    with pytest.raises(RuntimeError, match=r"down must be packed panels of a \[8, 8\] weight"):
+        ops().GatedMlpStep(**{**args, "down": pack_weight_panels(torch.randn(8, 4, generator=g))})
+    with pytest.raises(RuntimeError, match=r"down_bias must be contiguous \[8\]"):
+        ops().GatedMlpStep(**args, down_bias=torch.zeros(7))
+
+
 def ticks_while(call) -> tuple[list[float], float, float]:
     """The times a Python thread woke (it sleeps 1 ms a turn) while call() ran in this one, and
     when call() started and ended."""

@@ -130,7 +130,7 @@ class KimiDeltaAttention(nn.Module):
             conv_kernel=self.conv_weight.shape[1],
             hidden=o_proj.out_features,
             in_proj=self.in_proj.packed,
-            o_proj=o_proj.packed,
+            out_proj=o_proj.packed,
             conv_weight=self.conv_weight.float().contiguous(),
             f_b=self.f_b_proj.packed,
             g_b=self.g_b_proj.packed,

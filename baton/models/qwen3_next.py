@@ -111,7 +111,7 @@ class GatedDeltaNet(nn.Module):
             value_dim=self.dv,
             conv_kernel=self.conv1d.weight.shape[-1],
             hidden=out_proj.out_features,
-            qkvz=self.in_proj_qkvz.packed,
+            in_proj=self.in_proj_qkvz.packed,
             ba=self.in_proj_ba.packed,
             out_proj=out_proj.packed,
             conv_weight=self.conv1d.weight[:, 0].float().contiguous(),

@@ -119,62 +119,48 @@ void gdn_gated_norm_(const GdnShape& s, torch::Tensor& out, const torch::Tensor&
   });
 }
 
-class GdnStep : public LayerStep {
+class GdnStep : public RecurrentStep {
  public:
   explicit GdnStep(StepArgs& a)
       : s_{a.integer("key_heads"), a.integer("value_heads"), a.integer("key_dim"), a.integer("value_dim"),
-           a.integer("conv_kernel")},
-        hidden_(a.integer("hidden")) {
+           a.integer("conv_kernel")} {
     TORCH_CHECK(s_.kh >= 1 && s_.vh % s_.kh == 0, "value heads (", s_.vh, ") must be a multiple of key heads (", s_.kh,
                 ")");
-    qkvz_ = a.linear("qkvz", hidden_, s_.kh * s_.group_width());
-    ba_ = a.linear("ba", hidden_, 2 * s_.vh);
-    out_proj_ = a.linear("out_proj", s_.value_dim(), hidden_);
-    conv_weight_ = a.tensor("conv_weight");
-    state_ = a.state(conv_weight_, s_.channels(), s_.kc, {s_.vh, s_.dk, s_.dv});
+    const int64_t hidden = a.integer("hidden"), dk = s_.dk, rdv = s_.r() * s_.dv, key_dim = s_.key_dim();
+    read_projections(a, hidden, s_.kh * s_.group_width(), s_.value_dim());  // in_proj: in_proj_qkvz
+    // _split: the column of in_proj_qkvz's output that feeds conv channel c (q, k of each key
+    // head, then v of each value head)
+    std::vector<int64_t> columns;
+    for (int64_t c = 0; c < s_.channels(); ++c)
+      columns.push_back(c < 2 * key_dim ? c % key_dim / dk * s_.group_width() + c / key_dim * dk + c % dk
+                                        : (c - 2 * key_dim) / rdv * s_.group_width() + 2 * dk + (c - 2 * key_dim) % rdv);
+    read_conv_state(a, std::move(columns), s_.kc, {s_.vh, s_.dk, s_.dv});
+    ba_ = a.linear("ba", hidden, 2 * s_.vh);
     neg_exp_a_ = a.vector("neg_exp_a", s_.vh);
     dt_bias_ = a.vector("dt_bias", s_.vh);
     norm_weight_ = a.vector("norm_weight", s_.dv);
     norm_eps_ = a.real("norm_eps");
-    // _split: the column of in_proj_qkvz's output that feeds conv channel c (q, k of each key
-    // head, then v of each value head)
-    const int64_t dk = s_.dk, rdv = s_.r() * s_.dv, key_dim = s_.key_dim();
-    for (int64_t c = 0; c < s_.channels(); ++c)
-      conv_columns_.push_back(c < 2 * key_dim ? c % key_dim / dk * s_.group_width() + c / key_dim * dk + c % dk
-                                              : (c - 2 * key_dim) / rdv * s_.group_width() + 2 * dk + (c - 2 * key_dim) % rdv);
   }
 
-  StepNeeds needs() const override { return state_.needs(); }
-
-  torch::Tensor run(const torch::Tensor& h, const StepBatch& step, StepStopwatch& watch) override {
+ private:
+  torch::Tensor mix(const torch::Tensor& h, const torch::Tensor& qkvz, const torch::Tensor& conv,
+                    const StepBatch& step, StepStopwatch& watch) override {
     const int64_t n = h.size(0);
-    const torch::Tensor qkvz = qkvz_(h), ba = ba_(h);
+    const torch::Tensor ba = ba_(h);
     watch.lap(StepPart::kLinears);
-    state_.snapshot(step, 0);
-    const torch::Tensor conv =
-        causal_conv_silu_(qkvz, conv_columns_, conv_weight_, torch::Tensor(), state_.conv, step.state_slots);
     const GdnGates gates = gdn_gates(s_, qkvz, ba, neg_exp_a_, dt_bias_);
     const auto [qn, kn] = gdn_qk_l2norm(s_, conv);
     const torch::Tensor v = conv.narrow(1, 2 * s_.key_dim(), s_.value_dim()).view({n, s_.vh, s_.dv});
     torch::Tensor out = recurrent_step_(qn, kn, v, gates.decay, gates.beta, state_.rec, step.state_slots);
-    state_.snapshot(step, 1);
     gdn_gated_norm_(s_, out, gates.z, norm_weight_, norm_eps_);
-    watch.lap(StepPart::kRecurrent);
-    torch::Tensor o = out_proj_(out.view({n, s_.value_dim()}));
-    watch.lap(StepPart::kLinears);
-    return o;
+    return out.view({n, s_.value_dim()});
   }
 
- private:
   GdnShape s_;
-  int64_t hidden_;
-  StepLinear qkvz_, ba_, out_proj_;
-  torch::Tensor conv_weight_;        // [channels, kc]
-  StateTensors state_;               // conv [slots, channels, kc - 1], rec [slots, vh, dk, dv]
+  StepLinear ba_;
   torch::Tensor neg_exp_a_, dt_bias_;  // [vh]: -exp(A_log), dt_bias
   torch::Tensor norm_weight_;        // [dv]
   double norm_eps_ = 1e-6;
-  std::vector<int64_t> conv_columns_;
 };
 
 }  // namespace

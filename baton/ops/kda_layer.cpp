@@ -21,76 +21,49 @@ struct KdaShape {
   int64_t proj_width() const { return 3 * hd() + 2 * d + h; }  // in_proj's: q, k, v, f_a, g_a, b
 };
 
-struct KdaWeights {
-  torch::Tensor conv_weight;  // [3 hd, kc]
-  StepLinear f_b, g_b;        // f_b_proj, g_b_proj [hd, d]
-  torch::Tensor dt_bias;      // [hd]
-  torch::Tensor neg_exp_a;    // [h]: -exp(A_log)
-  torch::Tensor o_norm;       // [d]
-  double eps = 1e-6;
-};
-
-// l2norm of q and k, the per-channel decay and beta, the delta-rule step of each row over its
-// slot's state in rec_state [slots, h, d, d], the RMS norm and the sigmoid output gate:
-// [rows, hd], o_proj's input.
-// KimiDeltaAttention.forward's torch ops after the conv, run as the same ATen ops on the same
-// views (their rounding is then torch's by construction); the delta rule with recurrent_scan_'s
-// arithmetic, each row over its slot.
-torch::Tensor kda_mix_(const KdaShape& s, const KdaWeights& w, const torch::Tensor& proj, const torch::Tensor& conv,
-                       torch::Tensor& rec_state, const std::vector<int64_t>& slots) {
-  const int64_t n = proj.size(0), h = s.h, d = s.d, hd = s.hd();
-  const std::vector<torch::Tensor> parts = proj.split_with_sizes({3 * hd, d, d, h}, 1);  // qkv, f_a, g_a, b
-  const std::vector<torch::Tensor> qkv = conv.view({n, 3, h, d}).unbind(1);
-  const auto l2norm = [](const torch::Tensor& x) { return x / torch::sqrt((x * x).sum(-1, true) + 1e-6); };
-  const torch::Tensor q = l2norm(qkv[0]) * std::pow(static_cast<double>(d), -0.5), k = l2norm(qkv[1]);
-  const torch::Tensor raw = w.f_b(parts[1].contiguous()).view({n, h, d}) + w.dt_bias.view({h, d});
-  const torch::Tensor decay = w.neg_exp_a.unsqueeze(1) * at::softplus(raw);
-  torch::Tensor out = recurrent_step_(q, k, qkv[2], decay, parts[3].sigmoid(), rec_state, slots);
-  const torch::Tensor gate = w.g_b(parts[2].contiguous()).view({n, h, d});
-  out = out * torch::rsqrt(out.pow(2).mean(-1, true) + w.eps) * w.o_norm;
-  return (out * gate.sigmoid()).reshape({n, hd});
-}
-
-// KimiDeltaAttention.forward for one token per row
-class KdaStep : public LayerStep {
+// KimiDeltaAttention.forward for one token per row. After the conv: l2norm of q and k, the
+// per-channel decay and beta, the delta-rule step of each row over its slot's state [h, d, d],
+// the RMS norm and the sigmoid output gate, run as forward's very ATen ops on the same views
+// (their rounding is then torch's by construction), the delta rule with recurrent_scan_'s
+// arithmetic.
+class KdaStep : public RecurrentStep {
  public:
   explicit KdaStep(StepArgs& a) : s_{a.integer("heads"), a.integer("head_dim"), a.integer("conv_kernel")} {
-    const int64_t hidden = a.integer("hidden"), hd = s_.hd();
-    in_proj_ = a.linear("in_proj", hidden, s_.proj_width());
-    o_proj_ = a.linear("o_proj", hd, hidden);
-    w_.conv_weight = a.tensor("conv_weight");
-    state_ = a.state(w_.conv_weight, s_.channels(), s_.kc, {s_.h, s_.d, s_.d});
-    w_.f_b = a.linear("f_b", s_.d, hd);
-    w_.g_b = a.linear("g_b", s_.d, hd);
-    w_.dt_bias = a.vector("dt_bias", hd);
-    w_.neg_exp_a = a.vector("neg_exp_a", s_.h);
-    w_.o_norm = a.vector("o_norm", s_.d);
-    w_.eps = a.real("norm_eps");
-    for (int64_t c = 0; c < s_.channels(); ++c) conv_columns_.push_back(c);
-  }
-
-  StepNeeds needs() const override { return state_.needs(); }
-
-  torch::Tensor run(const torch::Tensor& h, const StepBatch& step, StepStopwatch& watch) override {
-    const torch::Tensor proj = in_proj_(h);
-    watch.lap(StepPart::kLinears);
-    state_.snapshot(step, 0);
-    const torch::Tensor conv =
-        causal_conv_silu_(proj, conv_columns_, w_.conv_weight, torch::Tensor(), state_.conv, step.state_slots);
-    const torch::Tensor out = kda_mix_(s_, w_, proj, conv, state_.rec, step.state_slots);
-    state_.snapshot(step, 1);
-    watch.lap(StepPart::kRecurrent);
-    torch::Tensor o = o_proj_(out);
-    watch.lap(StepPart::kLinears);
-    return o;
+    const int64_t hd = s_.hd();
+    read_projections(a, a.integer("hidden"), s_.proj_width(), hd);
+    std::vector<int64_t> columns(s_.channels());  // q, k and v: in_proj's first 3 hd columns
+    for (int64_t c = 0; c < s_.channels(); ++c) columns[c] = c;
+    read_conv_state(a, std::move(columns), s_.kc, {s_.h, s_.d, s_.d});
+    f_b_ = a.linear("f_b", s_.d, hd);
+    g_b_ = a.linear("g_b", s_.d, hd);
+    dt_bias_ = a.vector("dt_bias", hd);
+    neg_exp_a_ = a.vector("neg_exp_a", s_.h);
+    o_norm_ = a.vector("o_norm", s_.d);
+    eps_ = a.real("norm_eps");
   }
 
  private:
+  torch::Tensor mix(const torch::Tensor&, const torch::Tensor& proj, const torch::Tensor& conv,
+                    const StepBatch& step, StepStopwatch&) override {
+    const int64_t n = proj.size(0), h = s_.h, d = s_.d, hd = s_.hd();
+    const std::vector<torch::Tensor> parts = proj.split_with_sizes({3 * hd, d, d, h}, 1);  // qkv, f_a, g_a, b
+    const std::vector<torch::Tensor> qkv = conv.view({n, 3, h, d}).unbind(1);
+    const auto l2norm = [](const torch::Tensor& x) { return x / torch::sqrt((x * x).sum(-1, true) + 1e-6); };
+    const torch::Tensor q = l2norm(qkv[0]) * std::pow(static_cast<double>(d), -0.5), k = l2norm(qkv[1]);
+    const torch::Tensor raw = f_b_(parts[1].contiguous()).view({n, h, d}) + dt_bias_.view({h, d});
+    const torch::Tensor decay = neg_exp_a_.unsqueeze(1) * at::softplus(raw);
+    torch::Tensor out = recurrent_step_(q, k, qkv[2], decay, parts[3].sigmoid(), state_.rec, step.state_slots);
+    const torch::Tensor gate = g_b_(parts[2].contiguous()).view({n, h, d});
+    out = out * torch::rsqrt(out.pow(2).mean(-1, true) + eps_) * o_norm_;
+    return (out * gate.sigmoid()).reshape({n, hd});
+  }
+
   KdaShape s_;
-  StepLinear in_proj_, o_proj_;
-  KdaWeights w_;
-  StateTensors state_;
-  std::vector<int64_t> conv_columns_;  // q, k and v: in_proj's first 3 hd columns
+  StepLinear f_b_, g_b_;   // f_b_proj, g_b_proj [hd, d]
+  torch::Tensor dt_bias_;  // [hd]
+  torch::Tensor neg_exp_a_;  // [h]: -exp(A_log)
+  torch::Tensor o_norm_;   // [d]
+  double eps_ = 1e-6;
 };
 
 }  // namespace

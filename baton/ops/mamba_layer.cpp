@@ -23,8 +23,6 @@ struct MambaShape {
 };
 
 struct MambaWeights {
-  torch::Tensor conv_weight;  // [conv_dim, kc]
-  torch::Tensor conv_bias;    // [conv_dim] or undefined
   torch::Tensor neg_exp_a;    // [nh]: -exp(A_log)
   torch::Tensor dt_bias, d;   // [nh]
   torch::Tensor norm_weight;  // [inner]
@@ -101,50 +99,32 @@ torch::Tensor mamba_ssm_(const MambaShape& s, const MambaWeights& w, const torch
 }
 
 // Mamba2Mixer.forward for one token per row
-class MambaStep : public LayerStep {
+class MambaStep : public RecurrentStep {
  public:
   explicit MambaStep(StepArgs& a)
       : s_{a.integer("heads"), a.integer("head_dim"), a.integer("groups"), a.integer("state_size"),
            a.integer("conv_kernel")} {
     TORCH_CHECK(s_.g >= 1 && s_.nh % s_.g == 0, "heads (", s_.nh, ") must be a multiple of groups (", s_.g, ")");
-    const int64_t hidden = a.integer("hidden");
-    in_proj_ = a.linear("in_proj", hidden, s_.proj_width());
-    out_proj_ = a.linear("out_proj", s_.inner(), hidden);
-    w_.conv_weight = a.tensor("conv_weight");
-    state_ = a.state(w_.conv_weight, s_.conv_dim(), s_.kc, {s_.nh, s_.n, s_.p});
-    w_.conv_bias = a.tensor("conv_bias");
-    if (w_.conv_bias.defined()) check_vector(w_.conv_bias, s_.conv_dim(), "conv_bias");
+    read_projections(a, a.integer("hidden"), s_.proj_width(), s_.inner());
+    std::vector<int64_t> columns(s_.conv_dim());  // xBC, after z
+    for (int64_t c = 0; c < s_.conv_dim(); ++c) columns[c] = s_.inner() + c;
+    read_conv_state(a, std::move(columns), s_.kc, {s_.nh, s_.n, s_.p});
     w_.neg_exp_a = a.vector("neg_exp_a", s_.nh);
     w_.dt_bias = a.vector("dt_bias", s_.nh);
     w_.d = a.vector("d", s_.nh);
     w_.norm_weight = a.vector("norm_weight", s_.inner());
     w_.dt_min = a.real("dt_min");
     w_.eps = a.real("norm_eps");
-    for (int64_t c = 0; c < s_.conv_dim(); ++c) conv_columns_.push_back(s_.inner() + c);  // xBC, after z
-  }
-
-  StepNeeds needs() const override { return state_.needs(); }
-
-  torch::Tensor run(const torch::Tensor& h, const StepBatch& step, StepStopwatch& watch) override {
-    const torch::Tensor zxbcdt = in_proj_(h);
-    watch.lap(StepPart::kLinears);
-    state_.snapshot(step, 0);
-    const torch::Tensor conv =
-        causal_conv_silu_(zxbcdt, conv_columns_, w_.conv_weight, w_.conv_bias, state_.conv, step.state_slots);
-    const torch::Tensor y = mamba_ssm_(s_, w_, zxbcdt, conv, state_.rec, step.state_slots);
-    state_.snapshot(step, 1);
-    watch.lap(StepPart::kRecurrent);
-    torch::Tensor o = out_proj_(y);
-    watch.lap(StepPart::kLinears);
-    return o;
   }
 
  private:
+  torch::Tensor mix(const torch::Tensor&, const torch::Tensor& zxbcdt, const torch::Tensor& conv,
+                    const StepBatch& step, StepStopwatch&) override {
+    return mamba_ssm_(s_, w_, zxbcdt, conv, state_.rec, step.state_slots);
+  }
+
   MambaShape s_;
-  StepLinear in_proj_, out_proj_;
   MambaWeights w_;
-  StateTensors state_;
-  std::vector<int64_t> conv_columns_;
 };
 
 }  // namespace

@@ -260,3 +260,34 @@ torch::Tensor causal_conv_silu_(const torch::Tensor& proj, const std::vector<int
   torch_unary(out, out, rows, channels, true, Silu());
   return conv;
 }
+
+torch::Tensor RecurrentStep::run(const torch::Tensor& h, const StepBatch& step, StepStopwatch& watch) {
+  const torch::Tensor proj = in_proj_(h);
+  watch.lap(StepPart::kLinears);
+  state_.snapshot(step, 0);
+  const torch::Tensor conv =
+      causal_conv_silu_(proj, conv_columns_, conv_weight_, conv_bias_, state_.conv, step.state_slots);
+  const torch::Tensor mixed = mix(h, proj, conv, step, watch);
+  state_.snapshot(step, 1);
+  watch.lap(StepPart::kRecurrent);
+  torch::Tensor o = out_proj_(mixed);
+  watch.lap(StepPart::kLinears);
+  return o;
+}
+
+void RecurrentStep::read_projections(StepArgs& a, int64_t hidden, int64_t proj_width, int64_t inner) {
+  in_proj_ = a.linear("in_proj", hidden, proj_width);
+  out_proj_ = a.linear("out_proj", inner, hidden);
+}
+
+void RecurrentStep::read_conv_state(StepArgs& a, std::vector<int64_t> conv_columns, int64_t kc,
+                                    const std::vector<int64_t>& state_shape) {
+  conv_columns_ = std::move(conv_columns);
+  const int64_t channels = static_cast<int64_t>(conv_columns_.size());
+  for (const int64_t c : conv_columns_)
+    TORCH_CHECK(c >= 0 && c < in_proj_.n, "conv column ", c, " is outside in_proj's ", in_proj_.n, " outputs");
+  conv_weight_ = a.tensor("conv_weight");
+  state_ = a.state(conv_weight_, channels, kc, state_shape);
+  conv_bias_ = a.tensor("conv_bias");
+  if (conv_bias_.defined()) check_vector(conv_bias_, channels, "conv_bias");
+}

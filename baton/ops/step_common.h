@@ -135,3 +135,30 @@ void bind_step(pybind11::module_& m, const char* name) {
 torch::Tensor causal_conv_silu_(const torch::Tensor& proj, const std::vector<int64_t>& columns,
                                 const torch::Tensor& weight, const torch::Tensor& bias, torch::Tensor& conv_state,
                                 const std::vector<int64_t>& slots);
+
+// A recurrent mixer (Gated DeltaNet, Kimi Delta Attention, Mamba2) for one token per row: in_proj,
+// the checkpoints asked for before the row's token, the causal conv over each row's window, the
+// layer's own mix over the row's state slot, the checkpoints after, out_proj. A layer's
+// constructor calls read_projections and read_conv_state, its mix does the rest.
+class RecurrentStep : public LayerStep {
+ public:
+  StepNeeds needs() const override { return state_.needs(); }
+  torch::Tensor run(const torch::Tensor& h, const StepBatch& step, StepStopwatch& watch) override;
+
+ protected:
+  // in_proj [proj_width, hidden] and out_proj [hidden, inner]
+  void read_projections(StepArgs& a, int64_t hidden, int64_t proj_width, int64_t inner);
+  // conv_weight [channels, kc] (and conv_bias where given) over in_proj's output columns
+  // `conv_columns`, and the state tensors (recurrent entries of `state_shape`)
+  void read_conv_state(StepArgs& a, std::vector<int64_t> conv_columns, int64_t kc,
+                       const std::vector<int64_t>& state_shape);
+  // [rows, inner], out_proj's input, from the input h, in_proj's output proj and the conv's
+  // output conv, the state of row t in state_.rec's slot step.state_slots[t]
+  virtual torch::Tensor mix(const torch::Tensor& h, const torch::Tensor& proj, const torch::Tensor& conv,
+                            const StepBatch& step, StepStopwatch& watch) = 0;
+
+  StepLinear in_proj_, out_proj_;
+  torch::Tensor conv_weight_, conv_bias_;
+  StateTensors state_;
+  std::vector<int64_t> conv_columns_;
+};
