@@ -32,9 +32,15 @@ def _fused_steps(llm: LLM) -> int:
 
 
 @FAMILIES
-def test_fused_decode_has_the_bits_of_the_module_path(family, request, monkeypatch):
+@pytest.mark.parametrize("weights", ["float32", "q4_0"])
+def test_fused_decode_has_the_bits_of_the_module_path(family, weights, request, monkeypatch):
+    """float32, and 4-bit weights beside an fp8 KV cache (Kimi's MLA latent cache is float32 only:
+    its q4_0 run keeps it)."""
     _, path = request.getfixturevalue(family)
-    llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16)
+    narrow = (
+        {} if weights == "float32" else {"quantization": weights, "kv_cache_dtype": None if family == "kimi" else "fp8"}
+    )
+    llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, **narrow)
     prompts = [{"prompt_token_ids": _ids(n, 50 + n)} for n in (150, 40, 77)]
     fused = llm.generate(prompts, PARAMS)
     assert _fused_steps(llm) >= PARAMS.max_tokens - 1  # the decode steps ran as one C++ call

@@ -225,3 +225,25 @@ def test_drafts_are_those_of_transformers_generate_with_mtp(glm, monkeypatch):
         draft, margin = theirs[tuple(tokens)]
         if margin > 1e-4:
             assert int(logits.argmax()) == draft, f"after {len(tokens)} tokens"
+
+
+def test_mtp_drafts_run_as_one_call_with_the_bits_of_the_module_path(glm, monkeypatch):
+    """GLM-4.5's MTP layer drafts through its own fused decoder (its block's steps, its head
+    norm): the same draft distributions, drafts, acceptances and tokens as its module path."""
+    _, path = glm
+    prompts = _prompts(5)
+    runs, seen_all = [], _record_drafts(monkeypatch)
+    for fused in (True, False):
+        start = len(seen_all)
+        llm = LLM(str(path), progress=False, speculative_config=MTP, fused_decode=fused)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        decoder = llm.engine.model._mtp_decoders.get(0)
+        assert (decoder is not None and decoder.steps > 10) == fused  # drafted by the C++ step, or not
+        spec = llm.engine.spec
+        seen = seen_all[start:]
+        runs.append(([o.outputs[0].token_ids for o in outs], seen, spec.num_draft_tokens, spec.num_accepted_tokens))
+        assert llm.engine.kv.all_free()
+    (tokens, seen, drafted, accepted), (tokens_m, seen_m, drafted_m, accepted_m) = runs
+    assert tokens == tokens_m and (drafted, accepted) == (drafted_m, accepted_m) and len(seen) == len(seen_m) > 10
+    for (ids, logits), (ids_m, logits_m) in zip(seen, seen_m):
+        assert ids == ids_m and torch.equal(logits, logits_m)  # bitwise

@@ -168,14 +168,18 @@ class FusedDecoder:
         states: StateStorage | None,
         final_norm: RMSNorm | None,
         rope_dims: dict[str, int],
+        layers: list[torch.nn.Module] | None = None,
     ) -> FusedDecoder | None:
-        """The decoder of `model`'s layers over `storage` and `states`; None where a layer cannot
-        run as a step (its `decode_blocks` says None) or the KV cache is of a dtype the steps lack."""
+        """The decoder of `layers` (`model`'s by default) over `storage` and `states`; None where a
+        layer cannot run as a step (its `decode_blocks` says None), the KV cache is of a dtype the
+        steps lack, or the model is not float32, as the steps compute."""
         if storage.dtype not in (torch.float32, torch.float16, torch.bfloat16, FP8):
+            return None
+        if final_norm is not None and final_norm.weight.dtype != torch.float32:
             return None
         binding = StepBinding(storage, states, rope_dims)
         blocks = []
-        for layer in model.layers:
+        for layer in model.layers if layers is None else layers:
             declared = layer.decode_blocks(binding)
             if declared is None:
                 return None
@@ -215,17 +219,9 @@ class FusedDecoding:
             return None
         if self._fused_for is None or self._fused_for[0] is not storage or self._fused_for[1] is not states:
             self._fused_for = (storage, states)
-            applies = self.fused_decode_applies(storage, states)
-            build = FusedDecoder.build
-            self.fused_decoder = (
-                build(self, storage, states, self.fused_final_norm(), self.fused_rope_dims()) if applies else None
-            )
+            final = self.fused_final_norm()  # None on a pipeline stage before the last
+            self.fused_decoder = FusedDecoder.build(self, storage, states, final, self.fused_rope_dims())
         return self.fused_decoder
-
-    def fused_decode_applies(self, storage: KVStorage, states: StateStorage | None) -> bool:
-        """What the fused step needs beyond each layer's steps (a family may narrow it to what its
-        bit tests cover)."""
-        return True
 
     def fused_final_norm(self) -> RMSNorm | None:
         raise NotImplementedError
@@ -237,12 +233,17 @@ class FusedDecoding:
 def step_arguments(ctx) -> list:
     """What a fused decoder's forward takes after x (and the rope lists): per KV group the slot
     mapping and decode blocks / offsets / lengths, the block size, then `decode_state_rows`."""
-    groups = ctx.groups
+    groups = [g for g in ctx.groups if g is not None]  # a group the step does not touch: None
+    none = torch.empty(0, dtype=torch.long)
+
+    def each(field: str) -> list[torch.Tensor]:
+        return [none if g is None else getattr(g, field) for g in ctx.groups]
+
     return [
-        [g.slot_mapping for g in groups],
-        [g.decode_block_ids for g in groups],
-        [g.decode_kv_offsets for g in groups],
-        [g.decode_kv_lens for g in groups],
+        each("slot_mapping"),
+        each("decode_block_ids"),
+        each("decode_kv_offsets"),
+        each("decode_kv_lens"),
         groups[0].block_size if groups else 1,
         *decode_state_rows(ctx.state_meta),
     ]

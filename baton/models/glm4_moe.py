@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from baton.kv.spec import LayerKind
-from baton.models.fused_decode import DecodeBlock, StepBinding, mixer_mlp_blocks
+from baton.kv.storage import KVStorage
+from baton.models.fused_decode import DecodeBlock, FusedDecoder, StepBinding, mixer_mlp_blocks
 from baton.models.layers import RMSNorm, Rotary, paged_attention, unwrapped
 from baton.models.llama import Attention, ForwardContext, GatedMLP, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
@@ -116,9 +117,11 @@ class MtpLayer(nn.Module):
         self.block = Glm4MoeDecoderLayer(cfg, layer_id)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
 
+    def block_input(self, embeds: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(previous)), dim=-1))
+
     def forward(self, embeds: torch.Tensor, previous: torch.Tensor, rope: dict, ctx: ForwardContext) -> torch.Tensor:
-        x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(previous)), dim=-1))
-        out, residual = self.block(x, None, rope, ctx)
+        out, residual = self.block(self.block_input(embeds, previous), None, rope, ctx)
         return self.post_norm(out + residual)
 
 
@@ -134,6 +137,8 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         self.rotary = nn.ModuleDict({"full": Rotary(rope, int(cfg.head_dim * rope.partial_rotary_factor))})
         self.layer_kinds = ["full"]
         self.mtp = nn.ModuleList([MtpLayer(cfg, cfg.num_layers + i) for i in range(num_mtp_layers(cfg.hf))])
+        self._mtp_decoders_for: KVStorage | None = None  # the storage _mtp_decoders were built over
+        self._mtp_decoders: dict[int, FusedDecoder | None] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The final (normed) hidden state of every row: the logits' input, and the MTP layers'."""
@@ -153,7 +158,23 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         position before it); its hidden states, the lm_head's input for the token after each row."""
         embeds = self.embed(input_ids)
         rope = {"full": self.rotary["full"](positions, embeds.dtype)}
-        return self.mtp[layer](embeds, previous, rope, ctx)
+        mtp, decoder = self.mtp[layer], self._mtp_decoder_for(layer, ctx.storage)
+        if decoder is None:
+            return mtp(embeds, previous, rope, ctx)
+        return decoder(mtp.block_input(embeds, previous), rope, ctx)  # its rows are decodes: one C++ call
+
+    def _mtp_decoder_for(self, layer: int, storage: KVStorage) -> FusedDecoder | None:
+        """MTP layer `layer`'s block as a fused decoder, shared_head.norm its final norm; built on
+        first use, None where it cannot run there or fused decode is off."""
+        if not self.fused_decode:
+            return None
+        if self._mtp_decoders_for is not storage:
+            self._mtp_decoders_for, self._mtp_decoders = storage, {}
+        if layer not in self._mtp_decoders:
+            mtp = self.mtp[layer]
+            build = FusedDecoder.build
+            self._mtp_decoders[layer] = build(self, storage, None, mtp.post_norm, self.fused_rope_dims(), [mtp.block])
+        return self._mtp_decoders[layer]
 
     # ---- weights: HF names in, fused parameters out --------------------------------------------
     _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -15,9 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.kv.spec import STATE_DTYPE, LayerKind
-from baton.kv.state import StateStorage
-from baton.kv.storage import KVStorage
+from baton.kv.spec import LayerKind
 from baton.models.fused_decode import DecodeBlock, StepBinding, mixer_mlp_blocks, packed_only, state_args
 from baton.models.layers import RMSNorm, unwrapped
 from baton.models.llama import ForwardContext, LlamaForCausalLM
@@ -207,11 +205,6 @@ class KimiLinearForCausalLM(LlamaForCausalLM):
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         return self.norm(x, residual)
-
-    def fused_decode_applies(self, storage: KVStorage, states: StateStorage | None) -> bool:
-        """float32 KV, state and norms: what the bit tests cover."""
-        final = self.fused_final_norm()  # None on a pipeline stage before the last
-        return storage.dtype == STATE_DTYPE == torch.float32 and (final is None or final.weight.dtype == torch.float32)
 
     # ---- weights: checkpoint names in, fused parameters out ------------------------------------
     def _hf_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int | None, tuple[int, ...]]]:

@@ -14,9 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.kv.spec import STATE_DTYPE, LayerKind
-from baton.kv.state import StateStorage
-from baton.kv.storage import KVStorage
+from baton.kv.spec import LayerKind
 from baton.models.fused_decode import (
     DecodeBlock,
     FusedDecoding,
@@ -320,11 +318,6 @@ class NemotronHForCausalLM(FusedDecoding, nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         return self.norm_f(x, residual)
-
-    def fused_decode_applies(self, storage: KVStorage, states: StateStorage | None) -> bool:
-        """float32 KV, state and norms: what the bit tests cover."""
-        final = self.fused_final_norm()  # None on a pipeline stage before the last
-        return storage.dtype == STATE_DTYPE == torch.float32 and (final is None or final.weight.dtype == torch.float32)
 
     def fused_final_norm(self) -> RMSNorm | None:
         return self.norm_f if isinstance(self.norm_f, RMSNorm) else None  # a pipeline stage before the last: none

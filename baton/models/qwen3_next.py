@@ -10,9 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.kv.spec import STATE_DTYPE, LayerKind
-from baton.kv.state import StateStorage
-from baton.kv.storage import KVStorage
+from baton.kv.spec import LayerKind
 from baton.models.fused_decode import DecodeBlock, StepBinding, attention_step, mixer_mlp_blocks, state_args
 from baton.models.layers import PackedLinear, RMSNorm, Rotary, paged_attention, unwrapped
 from baton.models.llama import ForwardContext, LlamaForCausalLM
@@ -224,11 +222,6 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         for layer in self.layers:
             x, residual = layer(x, residual, rope, ctx)
         return self.norm(x, residual)
-
-    def fused_decode_applies(self, storage: KVStorage, states: StateStorage | None) -> bool:
-        """float32 KV, state and norms: what the bit tests cover."""
-        final = self.fused_final_norm()  # None on a pipeline stage before the last
-        return storage.dtype == STATE_DTYPE == torch.float32 and (final is None or final.weight.dtype == torch.float32)
 
     _UNFUSED = {"gate_up_proj": ("gate_proj", "up_proj")}
 
