@@ -7,12 +7,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import shutil
 
 import pytest
 import requests
 import torch
+from safetensors.torch import load_file, save_file
 
 from baton import LLM, SamplingParams
+from baton.models.loader import WeightMismatchError
 from tests.server_util import ServerProcess
 from tests.test_random_models import make_model
 
@@ -166,3 +169,19 @@ def test_server_reports_cached_tokens_and_state_metrics(qwen3_next):
         assert server.metric("baton_state_slots_used") == 0
     finally:
         server.terminate()
+
+
+def test_qwen3_5_refuses_a_bad_head_split_and_qwen3_next_projection_names(qwen3_5, tmp_path):
+    _, path = qwen3_5
+    bad = shutil.copytree(path, tmp_path / "bad")
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "linear_num_value_heads": 3}))
+    with pytest.raises(ValueError, match=r"linear_num_value_heads \(3\) must be a positive multiple of .* \(2\)"):
+        LLM(str(bad), progress=False)
+    renamed = shutil.copytree(path, tmp_path / "renamed")
+    tensors = load_file(renamed / "model.safetensors")
+    name = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    tensors[name.replace("qkv", "qkvz")] = tensors.pop(name)
+    save_file(tensors, renamed / "model.safetensors")
+    with pytest.raises(WeightMismatchError, match=rf"missing weights \(1\): {name}.*unexpected weights \(1\)"):
+        LLM(str(renamed), progress=False)

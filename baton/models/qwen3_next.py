@@ -23,6 +23,11 @@ from baton.ops import ops
 def layer_kinds(hf: dict[str, Any]) -> list[LayerKind]:
     kh, vh = int(hf["linear_num_key_heads"]), int(hf["linear_num_value_heads"])
     dk, dv = int(hf["linear_key_head_dim"]), int(hf["linear_value_head_dim"])
+    if min(kh, vh, dk, dv) < 1 or vh % kh:
+        raise ValueError(
+            f"linear_num_value_heads ({vh}) must be a positive multiple of linear_num_key_heads ({kh}), "
+            f"head dims positive (got {dk}, {dv})"
+        )
     conv_dim = 2 * kh * dk + vh * dv
     recurrent = LayerKind.recurrent((conv_dim, int(hf["linear_conv_kernel_dim"]) - 1), (vh, dk, dv))
     kinds = {"linear_attention": recurrent, "full_attention": LayerKind.full()}
