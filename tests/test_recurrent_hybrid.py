@@ -185,3 +185,30 @@ def test_qwen3_5_refuses_a_bad_head_split_and_qwen3_next_projection_names(qwen3_
     save_file(tensors, renamed / "model.safetensors")
     with pytest.raises(WeightMismatchError, match=rf"missing weights \(1\): {name}.*unexpected weights \(1\)"):
         LLM(str(renamed), progress=False)
+
+
+def test_qwen3_5_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """How Qwen publishes Qwen3.5 (Qwen3_5ForConditionalGeneration): the language model under
+    model.language_model., a vision tower and MTP weights beside it (not read)."""
+    import transformers
+
+    from tests.test_random_models import SMALL
+
+    torch.manual_seed(0)
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64)
+    config = transformers.Qwen3_5Config(text_config={**SMALL, **QWEN3_5}, vision_config=vision)
+    ref = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    ref.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert any(n.startswith("model.visual.") for n in tensors)
+    save_file({**tensors, "mtp.fc.weight": torch.zeros(64, 128)}, tmp_path / "model.safetensors")
+    llm = LLM(str(tmp_path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, max_num_batched_tokens=37)
+    ids = _ids(150, 6)
+    assert _rel(llm.prompt_logits({"prompt_token_ids": ids}), _full_logits(ref, ids)) < 1e-4
+    new = _tokens(llm.generate([{"prompt_token_ids": ids}], GREEDY)[0])
+    full = _full_logits(ref, ids + new)
+    assert new == full[len(ids) - 1 : -1].argmax(-1).tolist()

@@ -286,7 +286,9 @@ def load_model(
     with torch.device("meta"):
         net = cls(cfg)
     net = net.to_empty(device="cpu").to(dtype)
-    header = source.header()
+    # a multimodal checkpoint served as text: its vision tower's (and unused MTP layers') weights are not read
+    skipped = getattr(cls, "skipped_weights", ())
+    header = {name: v for name, v in source.header().items() if not (skipped and name.startswith(skipped))}
     check_weights(net.hf_weight_shapes(), header, cfg.tie_word_embeddings, str(path))
     converted = sorted(
         {

@@ -105,8 +105,8 @@ def parse_hf_config(
     """Read the fields the model code needs, in both the old and the new transformers formats.
     `layer_kinds_from`: the model family's own reading of its layer kinds (recurrent, MLA)."""
     is_gemma3 = architecture == "Gemma3ForCausalLM"
-    if "text_config" in cfg:
-        cfg = {**cfg["text_config"]}
+    if "text_config" in cfg:  # a multimodal config: its text model's, tied as the whole model says where it does not
+        cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", is_gemma3), **cfg["text_config"]}
     pattern = cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern") or []  # NemotronH
     num_layers = int(cfg.get("num_hidden_layers") or len(pattern))
     num_heads = int(cfg["num_attention_heads"])

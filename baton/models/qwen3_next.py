@@ -281,6 +281,24 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
         packed.weight.data[interleaved_rows(gdn, part)] = tensor
 
 
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """A multimodal Qwen3.5 checkpoint (how Qwen publishes the family) served as text: its language
+    model's weights under `model.language_model.`; the vision tower's and the MTP layer's are not
+    read (requests carry text only)."""
+
+    skipped_weights = ("model.visual.", "mtp.")
+
+    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {_language_model(n): shape for n, shape in super().hf_weight_shapes().items()}
+
+    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
+        super().load_weight(hf_name.replace("model.language_model.", "model.", 1), tensor)
+
+
+def _language_model(name: str) -> str:
+    return name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
+
+
 def interleaved_rows(gdn: GatedDeltaNet, part: str) -> torch.Tensor:
     """Where the rows of Qwen3.5's `part` projection sit in Qwen3-Next's per-key-head layout: key
     head h holds [q_h, k_h, v and z of its r value heads] in qkvz and [b, a of its r heads] in ba."""

@@ -9,7 +9,7 @@ from baton.models.glm4_moe import Glm4MoeForCausalLM
 from baton.models.kimi_linear import KimiLinearForCausalLM
 from baton.models.llama import LlamaForCausalLM
 from baton.models.nemotron_h import NemotronHForCausalLM
-from baton.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
+from baton.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -19,6 +19,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
