@@ -28,10 +28,7 @@ class Gemma3DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sandwich norms: the stream takes post_attention_layernorm(attn) and
         post_feedforward_layernorm(mlp); the latter is added by the next layer's input norm."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h = self.input_layernorm(x, residual)
+        h, residual = self.input_layernorm.pre_norm(x, residual)
         h = self.self_attn(h, rope[self.self_attn.kind], ctx)
         h = self.mlp(self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual))
         return self.post_feedforward_layernorm(h), residual

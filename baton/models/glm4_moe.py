@@ -92,10 +92,7 @@ class Glm4MoeDecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: dict, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h = self.input_layernorm(x, residual)
+        h, residual = self.input_layernorm.pre_norm(x, residual)
         h = self.self_attn(h, rope["full"], ctx)
         return self.mlp(self.post_attention_layernorm(h, residual)), residual
 

@@ -221,6 +221,11 @@ class RMSNorm(nn.Module):
             return (h * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
+    def pre_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm block's input and the residual stream: the first block's x starts the stream;
+        a later one's is added to it (in place) before the norm."""
+        return (self(x), x) if residual is None else (self(x, residual), residual)
+
     def heads_(self, x: torch.Tensor) -> None:
         """Normalize every head of x [T, heads, D] in place (q/k norm)."""
         if x.dtype == torch.float32:

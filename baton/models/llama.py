@@ -120,10 +120,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (the embedding
         itself at the first layer, residual None). Returns this layer's output and the stream."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h = self.input_layernorm(x, residual)
+        h, residual = self.input_layernorm.pre_norm(x, residual)
         h = self.self_attn(h, rope[self.self_attn.kind], ctx)
         return self.mlp(self.post_attention_layernorm(h, residual)), residual
 

@@ -282,10 +282,7 @@ class NemotronHBlock(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer: x is the previous output, not yet added to the stream `residual`."""
-        if residual is None:
-            residual, h = x, self.norm(x)
-        else:
-            h = self.norm(x, residual)
+        h, residual = self.norm.pre_norm(x, residual)
         return self.mixer(h, ctx), residual
 
     def decode_blocks(self, binding: StepBinding) -> list[DecodeBlock] | None:
