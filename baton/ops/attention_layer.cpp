@@ -9,6 +9,7 @@
 #include "step_common.h"
 
 #include <cstring>
+#include <utility>
 
 namespace {
 
@@ -48,8 +49,9 @@ class AttentionStep : public LayerStep {
         rotary_dim_(a.integer("rotary_dim")), torch_rotary_(a.flag("torch_rotary")),
         output_gate_(a.flag("output_gate")), qkv_(a.tensors("qkv")), qkv_rows_(a.integers("qkv_rows")),
         q_norm_(a.norm("q_norm")), k_norm_(a.norm("k_norm")), k_cache_(a.tensor("k_cache")),
-        v_cache_(a.tensor("v_cache")), k_scale_(a.tensor("k_scale")), v_scale_(a.tensor("v_scale")),
-        group_(a.integer("group")) {
+        v_cache_(a.tensor("v_cache")), group_(a.integer("group")) {
+    for (auto [name, scale] : {std::pair{"k_scale", &k_scale_}, std::pair{"v_scale", &v_scale_}})
+      if (torch::Tensor t = a.tensor(name); t.defined()) *scale = std::move(t);
     TORCH_CHECK(num_heads_ >= 1 && num_kv_heads_ >= 1 && num_heads_ % num_kv_heads_ == 0 && head_dim_ >= 2 &&
                     head_dim_ % 2 == 0,
                 "attention needs heads a multiple of kv heads and an even head dim, got ", num_heads_, " / ",
@@ -78,7 +80,7 @@ class AttentionStep : public LayerStep {
                     (kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16 || fp8) &&
                     v_cache_.scalar_type() == kv_type,
                 "KV cache must be float32, float16, bfloat16 or fp8 (float8_e4m3fn)");
-    TORCH_CHECK(k_scale_.defined() == fp8 && v_scale_.defined() == fp8, "an fp8 KV cache, and only one, has scales");
+    TORCH_CHECK(k_scale_.has_value() == fp8 && v_scale_.has_value() == fp8, "an fp8 KV cache, and only one, has scales");
     TORCH_CHECK(k_cache_.device().is_cpu() && v_cache_.device().is_cpu(), "KV cache must be on the CPU");
     TORCH_CHECK(k_cache_.dim() == 3 && k_cache_.size(1) == num_kv_heads_ && k_cache_.size(2) == head_dim_ &&
                     k_cache_.stride(2) == 1 && k_cache_.sizes() == v_cache_.sizes() && v_cache_.stride(2) == 1,
@@ -98,9 +100,9 @@ class AttentionStep : public LayerStep {
   }
 
   void check_step(const StepBatch& step) const override {
-    if (!k_scale_.defined()) return;
-    check_kv_scales(k_cache_, k_scale_, step.block_size);
-    check_kv_scales(v_cache_, v_scale_, step.block_size);
+    if (!k_scale_) return;
+    check_kv_scales(k_cache_, *k_scale_, step.block_size);
+    check_kv_scales(v_cache_, *v_scale_, step.block_size);
   }
 
   torch::Tensor run(const torch::Tensor& h, const StepBatch& step, StepStopwatch& watch) override {
@@ -152,18 +154,16 @@ class AttentionStep : public LayerStep {
     }
     watch.lap(StepPart::kNorms);
     const int64_t g = group_;
-    const c10::optional<torch::Tensor> k_scale = k_scale_.defined() ? c10::make_optional(k_scale_) : c10::nullopt;
-    const c10::optional<torch::Tensor> v_scale = v_scale_.defined() ? c10::make_optional(v_scale_) : c10::nullopt;
-    if (k_scale) {
-      write_kv_fp8(k, k_cache_, k_scale_, step.slot_mapping[g], step.block_size, false);
-      write_kv_fp8(v, v_cache_, v_scale_, step.slot_mapping[g], step.block_size, false);
+    if (k_scale_) {
+      write_kv_fp8(k, k_cache_, *k_scale_, step.slot_mapping[g], step.block_size, false);
+      write_kv_fp8(v, v_cache_, *v_scale_, step.slot_mapping[g], step.block_size, false);
     } else {
       write_kv(k, k_cache_, step.slot_mapping[g]);
       write_kv(v, v_cache_, step.slot_mapping[g]);
     }
     torch::Tensor attn = paged_decode_attention_checked_context(q, k_cache_, v_cache_, step.block_ids[g],
                                                                 step.kv_offsets[g], step.kv_lens[g], step.block_size,
-                                                                scale_, k_scale, v_scale);
+                                                                scale_, k_scale_, v_scale_);
     watch.lap(StepPart::kAttention);
     attn = attn.view({n, q_size});
     if (gate.defined()) {
@@ -188,8 +188,8 @@ class AttentionStep : public LayerStep {
   NormWeights q_norm_, k_norm_;  // undefined weights: none
   StepLinear o_;
   torch::Tensor k_cache_, v_cache_;  // [slots, kv heads, head dim]
-  torch::Tensor k_scale_, v_scale_;  // an fp8 cache's, [blocks, kv heads]; undefined otherwise
   int64_t group_;                    // the KV group whose metadata it reads
+  c10::optional<torch::Tensor> k_scale_, v_scale_;  // an fp8 cache's, [blocks, kv heads]
 };
 
 }  // namespace
