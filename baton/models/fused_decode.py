@@ -87,7 +87,7 @@ def attention_step(
     stacked by rows: rotary of kind `rope` (None: none) over whole heads by baton's op, or
     (torch_rotary) over the kind's width as separate torch ops; None off the packed kernels."""
     o_proj = unwrapped(attn.o_proj)  # tensor parallel: the decoder sums the output over the ranks
-    if not all(isinstance(m, PackedLinear) for m in (*qkv, o_proj)):
+    if not packed_only(*qkv, o_proj):
         return None
     biases = [m.bias for m in qkv]
     cache = binding.storage.layer_kv(attn.layer_id)

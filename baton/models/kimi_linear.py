@@ -190,7 +190,6 @@ class KimiLinearForCausalLM(LlamaForCausalLM):
         super().__init__(cfg)
         self.rotary = nn.ModuleDict()
         self.layer_kinds = []
-        self.fused_decode = True
         self._weight_map: dict[str, tuple[str, int | None, tuple[int, ...]]] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -9,7 +9,7 @@ import logging
 import os
 import struct
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,11 +93,13 @@ class HFDirectory:
                     out[name] = (tuple(s.get_shape()), s.get_dtype())
         return out
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, names: Container[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, or only those in `names` (the others are not read)."""
         for f in self.files:
             with safe_open(f, framework="pt") as st:
                 for name in st.keys():
-                    yield name, st.get_tensor(name)
+                    if names is None or name in names:
+                        yield name, st.get_tensor(name)
 
     def weights_content_sha256(self, cache_dir: Path | None) -> str:
         """`safetensors_content_sha256` of the files, kept under cache_dir/fingerprints by path, size and mtime."""
@@ -301,7 +303,10 @@ def load_model(
     if converted:
         logger.warning("converting %s weights of %s to %s", "/".join(converted), path.name, dtype)
     expected = net.hf_weight_shapes()
-    tensors = source.tensors(keep_blocks) if isinstance(source, GGUFFile) else source.tensors()
+    if isinstance(source, GGUFFile):
+        tensors = source.tensors(keep_blocks)
+    else:  # a directory's tensors the model does not take (a vision tower's) are not read
+        tensors = source.tensors(expected) if isinstance(source, HFDirectory) else source.tensors()
     for name, tensor in tqdm(tensors, total=len(header), desc=f"loading {path.name}", disable=not progress):
         if name in expected:
             net.load_weight(name, tensor)

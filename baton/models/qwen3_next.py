@@ -11,8 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.spec import LayerKind
-from baton.models.fused_decode import DecodeBlock, StepBinding, attention_step, mixer_mlp_blocks, state_args
-from baton.models.layers import PackedLinear, RMSNorm, Rotary, paged_attention, unwrapped
+from baton.models.fused_decode import (
+    DecodeBlock,
+    StepBinding,
+    attention_step,
+    mixer_mlp_blocks,
+    packed_only,
+    state_args,
+)
+from baton.models.layers import RMSNorm, Rotary, paged_attention, unwrapped
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import SparseMoE, dense_mlp
@@ -104,8 +111,7 @@ class GatedDeltaNet(nn.Module):
         """This layer as a fused decoder's step (baton/ops/gdn_layer.cpp); None without float32
         recurrent state or with a projection off the packed kernels."""
         out_proj = unwrapped(self.out_proj)
-        linears = (self.in_proj_qkvz, self.in_proj_ba, out_proj)
-        if binding.states is None or not all(isinstance(m, PackedLinear) for m in linears):
+        if binding.states is None or not packed_only(self, out_proj):
             return None
         return ops().GdnStep(
             key_heads=self.kh,
@@ -212,7 +218,6 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         rope = cfg.rope["full"]
         self.rotary = nn.ModuleDict({"full": Rotary(rope, int(cfg.head_dim * rope.partial_rotary_factor))})
         self.layer_kinds = ["full"]
-        self.fused_decode = True  # decode-only steps as one C++ call (baton/models/fused_decode.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed(input_ids)
