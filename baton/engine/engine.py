@@ -144,6 +144,11 @@ class LLMEngine:
                 raise InvalidKVImport("request", "n=1 and no logprobs", f"n={params.n}, logprobs={params.logprobs}")
             if export_kv not in (None, "grouped", "dense"):
                 raise ValueError(f"export_kv must be 'grouped' or 'dense', not {export_kv!r}")
+            geometries = {(g.num_kv_heads, g.head_dim, g.v_head_dim) for g in self.kv_spec.groups}
+            if export_kv == "dense" and len(geometries) > 1:
+                raise ValueError(
+                    "the dense span format holds one KV geometry and this model's groups differ: use grouped"
+                )
         if kv_span is not None:
             kv_import = self.handoff.plan(kv_span, token_ids)
         if kv_import is not None:

@@ -89,15 +89,24 @@ def model_fingerprint(
         "num_layers": cfg.num_layers,
         "layer_kinds": [[k.name, k.window] for k in cfg.layer_kinds],
         "layer_geometry": [
-            {"state_shapes": [list(s) for s in k.state_shapes]} if k.is_recurrent else k.latent_dim
+            {"state_shapes": [list(s) for s in k.state_shapes]}
+            if k.is_recurrent
+            else ([k.latent_dim, k.index_dim] if k.index_dim else k.latent_dim)
             for k in cfg.layer_kinds
         ],
+        **({"indexer": indexer_fingerprint(cfg.hf)} if "index_topk" in cfg.hf else {}),
         "num_kv_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
         "rope": {kind: vars(r) for kind, r in sorted(cfg.rope.items())},
         "weights_layout_sha256": hashlib.sha256(layout.encode()).hexdigest(),
         "weights_content_sha256": weights_content_sha256,
     }
+
+
+def indexer_fingerprint(hf: dict) -> dict:
+    """The sparse-attention settings that decide which keys a query reads (and so its KV's meaning)."""
+    keys = ("index_topk", "index_n_heads", "index_head_dim", "indexer_types", "index_topk_freq", "index_kpool")
+    return {k: hf.get(k) for k in keys} | {"rope_interleave": hf.get("indexer_rope_interleave")}
 
 
 def to_layout(t: torch.Tensor, src: str, dst: str) -> torch.Tensor:

@@ -88,15 +88,32 @@ def fit_max_model_len(kv: KVManager, sched: SchedulerConfig, model_max: int) -> 
     return length
 
 
+def _bytes_per_token(spec: KVSpec, dtype: torch.dtype) -> dict[str, float]:
+    """A token's KV bytes by part: attention K/V, MLA latents, sparse-attention indexer keys (an
+    MLA row's share of its group's bytes, fp8 scales included)."""
+    parts: dict[str, float] = {}
+    for g in spec.groups:
+        per_token = g.bytes_per_block(spec.block_size, dtype) / spec.block_size
+        if not g.kind.is_mla:
+            parts["attention"] = parts.get("attention", 0) + per_token
+            continue
+        index_share = g.kind.index_dim / g.head_dim
+        parts["mla"] = parts.get("mla", 0) + per_token * (1 - index_share)
+        if g.kind.index_dim:
+            parts["indexer"] = parts.get("indexer", 0) + per_token * index_share
+    return parts
+
+
 def _log(memory: CacheMemory, cache: CacheConfig) -> None:
     spec, kv = memory.spec, memory.kv
     logger.info(
-        "KV cache: %s blocks of %d tokens per group (%s), %.1f MiB; max_model_len %d",
+        "KV cache: %s blocks of %d tokens per group (%s), %.1f MiB; max_model_len %d; bytes per token: %s",
         [p.num_blocks for p in kv.pools],
         cache.block_size,
         ", ".join(f"{g.kind.name}x{len(g.layer_ids)}" for g in spec.groups),
         memory.storage.nbytes() / 2**20,
         memory.max_model_len,
+        ", ".join(f"{part} {n:g}" for part, n in _bytes_per_token(spec, memory.storage.dtype).items()),
     )
     if spec.has_state:
         logger.info(

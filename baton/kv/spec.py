@@ -14,12 +14,15 @@ STATE_DTYPE = torch.float32  # recurrent state accumulates over the whole sequen
 class LayerKind:
     """`full` layers attend to every earlier position; `sliding` ones to the last `window` (self
     included); `mla` ones to every earlier position through one compressed latent of `latent_dim`
-    per token; `recurrent` ones keep no per-token cache, only fixed-size state tensors of
-    `state_shapes` (e.g. a conv window and a delta-rule or SSM state)."""
+    per token, followed in the same cache row by the key of the layer's sparse-attention indexer
+    where it has one (`index_dim`: DeepSeek-V3.2, GLM-5); `recurrent` ones keep no per-token
+    cache, only fixed-size state tensors of `state_shapes` (e.g. a conv window and a delta-rule or
+    SSM state)."""
 
     name: str
     window: int | None = None
     latent_dim: int | None = None
+    index_dim: int = 0
     state_shapes: tuple[tuple[int, ...], ...] = ()
 
     @staticmethod
@@ -33,8 +36,15 @@ class LayerKind:
         return LayerKind("sliding", window)
 
     @staticmethod
-    def mla(latent_dim: int) -> LayerKind:
-        return LayerKind("mla", latent_dim=latent_dim)
+    def mla(latent_dim: int, index_dim: int = 0) -> LayerKind:
+        if latent_dim < 1 or index_dim < 0:
+            raise ValueError(f"an MLA layer needs latent_dim >= 1 and index_dim >= 0, got {latent_dim}, {index_dim}")
+        return LayerKind("mla", latent_dim=latent_dim, index_dim=index_dim)
+
+    @property
+    def row_dim(self) -> int | None:
+        """An MLA layer's cache row per token: its latent, then its indexer key."""
+        return None if self.latent_dim is None else self.latent_dim + self.index_dim
 
     @staticmethod
     def none() -> LayerKind:
@@ -67,7 +77,7 @@ class LayerKind:
 @dataclass(frozen=True)
 class KVGroup:
     """Paged layers of one kind and KV geometry; they share block tables and one storage tensor.
-    An MLA group stores one latent per token in K (head_dim = latent_dim, one head) and no V."""
+    An MLA group stores one row per token in K (head_dim = latent_dim + index_dim, one head) and no V."""
 
     group_id: int
     kind: LayerKind
@@ -133,7 +143,7 @@ class KVSpec:
             by_kind.setdefault(kind, []).append(layer_id)
         paged = [(k, ids) for k, ids in by_kind.items() if not k.is_recurrent and not k.is_none]
         groups = tuple(
-            KVGroup(gid, kind, tuple(ids), 1 if kind.is_mla else num_kv_heads, kind.latent_dim or head_dim)
+            KVGroup(gid, kind, tuple(ids), 1 if kind.is_mla else num_kv_heads, kind.row_dim or head_dim)
             for gid, (kind, ids) in enumerate(paged)
         )
         state_groups = tuple(

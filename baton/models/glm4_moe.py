@@ -125,6 +125,7 @@ class MtpLayer(nn.Module):
 class Glm4MoeForCausalLM(LlamaForCausalLM):
     layer_cls = Glm4MoeDecoderLayer
     layer_kinds_from = staticmethod(layer_kinds)
+    mtp_drafts = True  # a subclass whose checkpoints' MTP layers no reference runs: False, they are not read
 
     def __init__(self, cfg: TextModelConfig) -> None:
         if cfg.hidden_act != "silu":
@@ -133,7 +134,13 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         rope = cfg.rope["full"]
         self.rotary = nn.ModuleDict({"full": Rotary(rope, int(cfg.head_dim * rope.partial_rotary_factor))})
         self.layer_kinds = ["full"]
-        self.mtp = nn.ModuleList([MtpLayer(cfg, cfg.num_layers + i) for i in range(num_mtp_layers(cfg.hf))])
+        mtp_layers = num_mtp_layers(cfg.hf)
+        self.mtp = nn.ModuleList(
+            [MtpLayer(cfg, cfg.num_layers + i) for i in range(mtp_layers if self.mtp_drafts else 0)]
+        )
+        self.skipped_weights = (
+            () if self.mtp_drafts else tuple(f"model.layers.{cfg.num_layers + i}." for i in range(mtp_layers))
+        )
         self._mtp_decoders_for: KVStorage | None = None  # the storage _mtp_decoders were built over
         self._mtp_decoders: dict[int, FusedDecoder | None] = {}
 

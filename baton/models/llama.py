@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,8 @@ class ForwardContext:
     groups: list[GroupAttnMetadata]
     states: StateStorage | None = None  # recurrent layers' running slots and checkpoints
     state_meta: StateMetadata | None = None
+    # the keys the last sparse-attention indexer selected this step, for the layers that share them (GLM-5)
+    selection: dict = field(default_factory=dict)
 
     def for_layer(self, layer_id: int) -> tuple[LayerKV, GroupAttnMetadata]:
         return self.storage.layer_kv(layer_id), self.groups[self.storage.spec.layer_to_group[layer_id][0]]

@@ -289,7 +289,7 @@ def load_model(
         net = cls(cfg)
     net = net.to_empty(device="cpu").to(dtype)
     # a multimodal checkpoint served as text: its vision tower's (and unused MTP layers') weights are not read
-    skipped = getattr(cls, "skipped_weights", ())
+    skipped = getattr(net, "skipped_weights", ())
     header = {name: v for name, v in source.header().items() if not (skipped and name.startswith(skipped))}
     check_weights(net.hf_weight_shapes(), header, cfg.tie_word_embeddings, str(path))
     converted = sorted(

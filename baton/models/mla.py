@@ -1,9 +1,11 @@
-"""Multi-head latent attention (DeepSeek-V2 shapes) without rotary, as in Kimi Linear: the paged
-cache holds one normalized latent c [R] and one key part kr [dr] shared by every head per token.
+"""Multi-head latent attention (DeepSeek-V2 shapes): the paged cache holds one normalized latent c
+[R] and one key part kr [dr] shared by every head per token; kr carries rotary (DeepSeek) or not
+(NoPE: Kimi Linear). A layer with a sparse-attention indexer (baton/models/indexer.py) keeps its
+indexer key after them in the same row, and each query attends to the keys its indexer selects.
 
 Prefill expands the context's latents through kv_b_proj into per-head K_nope and V and runs
 causal attention over KV tiles; decode absorbs W_UK into the query and W_UV into the output, so
-it reads only the cached latents."""
+it reads only the cached latents (of the selected keys, with an indexer)."""
 
 from __future__ import annotations
 
@@ -15,15 +17,32 @@ from torch import nn
 
 from baton.kv.storage import LayerKV
 from baton.models.fused_decode import StepBinding, linear_args, packed_only, plain_float32
-from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq, RMSNorm, unwrapped
+from baton.models.indexer import Indexer
+from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq, RMSNorm, apply_rotary, unwrapped, yarn_mscale
 from baton.models.model_config import TextModelConfig
 from baton.ops import ops
 
 LATENT_NORM_EPS = 1e-6  # kv_a_layernorm / q_a_layernorm are built without eps: the class default
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
 class MLAttention(nn.Module):
-    def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
+    """`rotary`: kr and each head's rope part of q carry rotary (half-split: an interleaved
+    checkpoint's rows are reordered at load), the softmax scale yarn's mscale^2 where the rope is
+    yarn with mscale_all_dim. `indexer`: "full" where the layer's own sparse-attention indexer
+    selects the keys each query reads, "shared" where it reads the keys the last indexer layer
+    before it selected in this step (GLM-5), "none" where every query reads every earlier key."""
+
+    def __init__(
+        self,
+        cfg: TextModelConfig,
+        layer_id: int,
+        rotary: bool = False,
+        indexer: str = "none",
+        latent_eps: float = LATENT_NORM_EPS,
+    ) -> None:
         super().__init__()
         hf = cfg.hf
         self.layer_id = layer_id
@@ -33,21 +52,30 @@ class MLAttention(nn.Module):
         self.dr = int(hf.get("qk_rope_head_dim", 64))
         self.dv = int(hf.get("v_head_dim") or 128)
         self.scale = (self.dn + self.dr) ** -0.5
+        self.rotary = rotary
+        rope = cfg.rope["full"]
+        if rotary and rope.rope_type == "yarn" and rope.mscale_all_dim:
+            self.scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
         h, q_out, bias = cfg.hidden_size, self.num_heads * (self.dn + self.dr), bool(hf.get("attention_bias", False))
         q_lora = hf.get("q_lora_rank")
         if q_lora:
             self.q_a_proj = nn.Linear(h, int(q_lora), bias=bias)
-            self.q_a_layernorm = RMSNorm(int(q_lora), LATENT_NORM_EPS)
+            self.q_a_layernorm = RMSNorm(int(q_lora), latent_eps)
             self.q_b_proj = nn.Linear(int(q_lora), q_out, bias=False)
         else:
             self.q_proj = nn.Linear(h, q_out, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.rank + self.dr, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(self.rank, latent_eps)
         # A plain parameter, not an nn.Linear: pack_linears leaves it dense, since decode reads its
         # per-head W_UK / W_UV blocks and prefill expands latents through it.
         self.kv_b_proj = nn.Module()
         self.kv_b_proj.weight = nn.Parameter(torch.empty(self.num_heads * (self.dn + self.dv), self.rank))
         self.o_proj = nn.Linear(self.num_heads * self.dv, h, bias=bias)
+        if indexer == "full" and not q_lora:
+            raise ValueError("a sparse-attention indexer reads the q_lora residual: q_lora_rank must be set")
+        self.indexer = Indexer(cfg, int(q_lora), self.dr) if indexer == "full" else None
+        self.topk = None if indexer == "none" else int(hf.get("index_topk", 2048))  # None: dense
+        self.latent = self.rank + self.dr  # a cache row: the latent, then the indexer key (if any)
 
     def decode_step(self, binding: StepBinding):
         """This attention as a fused decoder's step for decode rows (baton/ops/mla_layer.cpp); None
@@ -56,6 +84,8 @@ class MLAttention(nn.Module):
         o_proj = unwrapped(self.o_proj)
         lora = not hasattr(self, "q_proj")
         cache = binding.storage.layer_kv(self.layer_id).k
+        if self.rotary or self.topk is not None:
+            return None  # the step is NoPE dense MLA's
         if not packed_only(self, o_proj) or not plain_float32(self.kv_b_proj.weight, cache):
             return None
         return ops().MlaStep(
@@ -84,36 +114,66 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.rank)
         return w[:, : self.dn], w[:, self.dn :]
 
-    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx, rope: Rope | None = None) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if hasattr(self, "q_a_proj") else None
+        q = self.q_proj(x) if q_resid is None else self.q_b_proj(q_resid)
         q = q.view(n, self.num_heads, self.dn + self.dr)
         ckv = self.kv_a_proj_with_mqa(x)
-        latent = torch.cat((self.kv_a_layernorm(ckv[:, : self.rank].contiguous()), ckv[:, self.rank :]), dim=-1)
-        cache, meta = ctx.for_layer(self.layer_id)  # K: [slots, 1, R + dr]; no V
-        cache.write(meta.slot_mapping, latent[:, None], None, meta.block_size)
+        k_rot = ckv[:, None, self.rank :]
+        if self.rotary:
+            q[..., self.dn :] = apply_rotary(q[..., self.dn :], *rope)
+            k_rot = apply_rotary(k_rot.contiguous(), *rope)
+        parts = [self.kv_a_layernorm(ckv[:, : self.rank].contiguous()), k_rot[:, 0]]
+        index = None
+        if self.indexer is not None:
+            parts.append(self.indexer.keys(x, rope if self.rotary else None).to(x.dtype))
+            index = self.indexer.queries(x, q_resid, rope if self.rotary else None)
+        row = torch.cat(parts, dim=-1)
+        cache, meta = ctx.for_layer(self.layer_id)  # K: [slots, 1, latent (+ indexer key)]; no V
+        cache.write(meta.slot_mapping, row[:, None], None, meta.block_size)
         out = torch.empty((n, self.num_heads, self.dv), dtype=x.dtype)
-        nd = meta.num_decodes
+        nd, chosen = meta.num_decodes, ctx.selection
         if nd:
-            out[:nd] = self._decode(q[:nd], cache, meta)
+            out[:nd] = self._decode(
+                q[:nd], cache, meta, None if index is None else (index[0][:nd], index[1][:nd]), chosen
+            )
         for p in meta.prefills:
-            chunk = slice(p.q_start, p.q_end)
-            out[chunk] = self._prefill(q[chunk], meta.slot_mapping[chunk], cache, p, meta.block_size)
+            rows = slice(p.q_start, p.q_end)
+            chunk_index = None if index is None else (index[0][rows], index[1][rows])
+            out[rows] = self._prefill(q[rows], meta.slot_mapping[rows], cache, p, meta.block_size, chunk_index, chosen)
         return self.o_proj(out.reshape(n, -1))
 
     def _latents(self, cache: LayerKV, slots: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
         """Cached latents at `slots` (any shape) as [*slots.shape, R + dr]."""
         return cache.read_k(slots.reshape(-1), block_size, dtype).view(*slots.shape, -1)
 
-    def _decode(self, q: torch.Tensor, cache: LayerKV, meta: GroupAttnMetadata) -> torch.Tensor:
-        """Absorbed attention of single-token queries q [nd, H, dn + dr] over their cached latents."""
+    def _decode(
+        self,
+        q: torch.Tensor,
+        cache: LayerKV,
+        meta: GroupAttnMetadata,
+        index: tuple[torch.Tensor, torch.Tensor] | None,
+        chosen: dict,
+    ) -> torch.Tensor:
+        """Absorbed attention of single-token queries q [nd, H, dn + dr] over their cached latents;
+        with an indexer (`index`: the rows' queries and head weights) over the latents it selects,
+        which it leaves in `chosen` for the layers that share them."""
         bs, blocks = meta.block_size, meta.decode_block_ids
         lens, longest = meta.decode_kv_lens, int(meta.decode_kv_lens.max())
         pos = torch.arange(longest)[None, :] + meta.decode_kv_offsets[:, None]  # within the listed blocks
         valid = torch.arange(longest)[None, :] < lens[:, None]
         block = blocks.gather(1, (pos // bs).clamp(max=blocks.shape[1] - 1))
         slots = torch.where(valid, block * bs + pos % bs, 0)
-        rows = self._latents(cache, slots, bs, q.dtype)  # [nd, L, R + dr]
+        rows = self._latents(cache, slots, bs, q.dtype)  # [nd, L, R + dr (+ indexer key)]
+        if self.topk is not None and longest > self.topk:  # gather the selected rows only
+            if index is not None:
+                scores = self.indexer.scores(*index, rows[..., self.latent :])
+                chosen["decode"] = scores.masked_fill(~valid, float("-inf")).topk(self.topk, dim=-1).indices
+            top = chosen["decode"]
+            rows = rows.gather(1, top[..., None].expand(-1, -1, rows.shape[-1]))
+            valid = valid.gather(1, top)
+        rows = rows[..., : self.latent]
         w_uk, w_uv = self._absorbed()
         q_lat = torch.einsum("nhd,hdr->nhr", q[..., : self.dn], w_uk.to(q.dtype))
         scores = torch.einsum("nhc,nlc->nhl", torch.cat((q_lat, q[..., self.dn :]), dim=-1), rows) * self.scale
@@ -126,7 +186,8 @@ class MLAttention(nn.Module):
         latents = latents.to(dtype)
         t, h = latents.shape[0], self.num_heads
         kv = F.linear(latents[:, : self.rank], self.kv_b_proj.weight.to(dtype)).view(t, h, self.dn + self.dv)
-        k = torch.cat((kv[..., : self.dn], latents[:, None, self.rank :].expand(t, h, self.dr)), dim=-1)
+        k_rot = latents[:, None, self.rank : self.latent].expand(t, h, self.dr)
+        k = torch.cat((kv[..., : self.dn], k_rot), dim=-1)
         return _pad(k, width), _pad(kv[..., self.dn :], width)
 
     def _prefill(
@@ -136,31 +197,55 @@ class MLAttention(nn.Module):
         cache: LayerKV,
         p: PrefillSeq,
         block_size: int,
+        index: tuple[torch.Tensor, torch.Tensor] | None,
+        chosen: dict,
     ) -> torch.Tensor:
         """A chunk's attention over its context, tile by tile merged by log-sum-exp (as layers'
         _prefill_attention): the latents are expanded one tile at a time. `slots`: where the chunk's
-        own latents were written."""
+        own latents were written; `index`: the chunk's indexer queries and head weights, whose
+        selection it leaves in `chosen` for the layers that share it."""
         width = max(self.dn + self.dr, self.dv)
         qh = _pad(q, width).transpose(0, 1)[None]  # [1, H, q, width]
-        if p.kv_slots is None:  # the chunk is the whole context: what the cache holds, as it rounds
-            src = self._latents(cache, slots, block_size, q.dtype)
-            if not p.tiles:
+        n = q.shape[0]
+        context = n if p.kv_slots is None else p.kv_slots.shape[0]
+        tiles, sparse = p.tiles, self.topk is not None and context > self.topk
+        if p.kv_slots is None or sparse:
+            # what the cache holds, as it rounds: the chunk's own rows, or (to score) the whole context
+            src = self._latents(cache, slots if p.kv_slots is None else p.kv_slots, block_size, q.dtype)
+            if sparse:
+                if index is not None:
+                    chosen[p.q_start] = self.indexer.prefill_selection(*index, src[:, self.latent :], context - n)
+                tiles = _selected_tiles(tiles or [KVTile(0, context, None, None)], chosen[p.q_start])
+            elif not tiles:
                 k, v = self._expand(src, q.dtype, width)
                 out = F.scaled_dot_product_attention(
                     qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=self.scale
                 )
                 return out[0].transpose(0, 1)[..., : self.dv]
+        else:
+            src = None
 
         def load(t: KVTile) -> tuple[torch.Tensor, torch.Tensor]:
             rows = (
                 src[t.lo : t.hi]
-                if p.kv_slots is None
+                if src is not None
                 else self._latents(cache, p.kv_slots[t.lo : t.hi], block_size, q.dtype)
             )
             k, v = self._expand(rows, q.dtype, width)
             return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
 
-        return tiled_attention(qh, p.tiles, load, self.scale)[0].transpose(0, 1)[..., : self.dv]
+        return tiled_attention(qh, tiles, load, self.scale)[0].transpose(0, 1)[..., : self.dv]
+
+
+def _selected_tiles(tiles: list[KVTile], chosen: torch.Tensor) -> list[KVTile]:
+    """The tiles masked to the keys `chosen` [q, context] (causal already) lets each query read."""
+    out = []
+    for t in tiles:
+        allowed = chosen[:, t.lo : t.hi]
+        mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, float("-inf"))
+        blind = ~allowed.any(dim=1)
+        out.append(KVTile(t.lo, t.hi, mask, blind if bool(blind.any()) else None))
+    return out
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:

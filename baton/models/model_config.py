@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,12 +13,21 @@ from baton.kv.spec import LayerKind
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     partial_rotary_factor: float = 1.0  # rotary on this fraction of each head's dims
+    # yarn (DeepSeek-V3's): the ramp between beta_fast and beta_slow rotations, cos/sin scaled by
+    # attention_factor (None: from factor, mscale and mscale_all_dim), and the softmax scale by
+    # mscale(factor, mscale_all_dim)^2 where the model applies it
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclass
@@ -53,16 +63,26 @@ class TextModelConfig:
 def _rope_from(params: dict[str, Any] | None, default_theta: float) -> RopeConfig:
     params = dict(params or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3"):
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3, yarn")
+    factor = float(params.get("factor", 1.0))
+    if not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"rope factor must be a positive number, got {params.get('factor')!r}")
+    attention_factor = params.get("attention_factor")
     return RopeConfig(
         theta=float(params.get("rope_theta", default_theta)),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=factor,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
         partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from baton.models.dsa import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from baton.models.gemma3 import Gemma3ForCausalLM
 from baton.models.glm4_moe import Glm4MoeForCausalLM
 from baton.models.kimi_linear import KimiLinearForCausalLM
@@ -23,6 +24,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
+    "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
 }
 
 
