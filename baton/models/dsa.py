@@ -20,10 +20,9 @@ import torch
 from torch import nn
 
 from baton.kv.spec import LayerKind
-from baton.models.fused_decode import DecodeBlock, StepBinding, mixer_mlp_blocks
-from baton.models.glm4_moe import Glm4MoeForCausalLM, sparse_moe
-from baton.models.layers import RMSNorm, Rotary, unwrapped
-from baton.models.llama import ForwardContext, GatedMLP
+from baton.models.glm4_moe import Glm4MoeDecoderLayer, Glm4MoeForCausalLM, sparse_moe
+from baton.models.layers import RMSNorm, Rotary
+from baton.models.llama import GatedMLP
 from baton.models.mla import MLAttention
 from baton.models.model_config import TextModelConfig
 
@@ -67,9 +66,11 @@ def deinterleave_rows(t: torch.Tensor, starts: range, width: int) -> torch.Tenso
     return t
 
 
-class DsaDecoderLayer(nn.Module):
+class DsaDecoderLayer(Glm4MoeDecoderLayer):
+    """GLM-4.5's decoder layer with MLA and its indexer (or the selection before it) as the mixer."""
+
     def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         hf = cfg.hf
         self.self_attn = MLAttention(cfg, layer_id, rotary=True, indexer=indexer_types(hf)[layer_id])
         types = hf.get("mlp_layer_types")
@@ -77,17 +78,6 @@ class DsaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg) if dense else sparse_moe(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rope: dict, ctx: ForwardContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm.pre_norm(x, residual)
-        h = self.self_attn(h, ctx, rope["full"])
-        return self.mlp(self.post_attention_layernorm(h, residual)), residual
-
-    def decode_blocks(self, binding: StepBinding) -> list[DecodeBlock] | None:
-        attn, mlp = self.self_attn.decode_step(binding), unwrapped(self.mlp).decode_step(binding)
-        return mixer_mlp_blocks(self.input_layernorm, attn, self.post_attention_layernorm, mlp)
 
 
 class DeepseekV32ForCausalLM(Glm4MoeForCausalLM):

@@ -93,7 +93,7 @@ class Glm4MoeDecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: dict, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm.pre_norm(x, residual)
-        h = self.self_attn(h, rope["full"], ctx)
+        h = self.self_attn(h, rope=rope["full"], ctx=ctx)
         return self.mlp(self.post_attention_layernorm(h, residual)), residual
 
     def decode_blocks(self, binding: StepBinding) -> list[DecodeBlock] | None:
