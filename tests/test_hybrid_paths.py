@@ -1,4 +1,4 @@
-"""Every recurrent family (and GLM-5's sparse attention) along the paths that resume state:
+"""Every recurrent family (and the sparse-attention models) along the paths that resume state:
 preemption, and the KV handoff (a span
 carries the recurrent state at position n and MLA latents; workers unlike in block size, layout and
 KV dtype decode the lone worker's tokens; a span without a state a layer needs, or with state at
@@ -14,6 +14,7 @@ from baton import LLM, SamplingParams
 from baton.handoff import wire
 from baton.handoff.errors import InvalidKVImport
 from tests.test_dsa import dsa_glm5  # noqa: F401  (fixtures)
+from tests.test_glm5_flash import flash  # noqa: F401
 from tests.test_handoff import prefill_output, repack, run_imported
 from tests.test_kimi_linear import kimi  # noqa: F401
 from tests.test_nemotron_h import nemotron  # noqa: F401
@@ -32,7 +33,7 @@ def _state(llm: LLM):
     return free, len(e.kv.free_slots), dict(e.kv.block_tables), digest.hexdigest(), dict(e.requests)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "dsa_glm5"])
+@pytest.mark.parametrize("family", [*FAMILIES, "dsa_glm5", "flash"])
 def test_decode_after_a_prefix_hit_and_after_preemption_keeps_the_reference_logits(family, request, monkeypatch):
     ref, path = request.getfixturevalue(family)
     prompts = [_ids(60 + 7 * i, 10 + i) for i in range(6)]

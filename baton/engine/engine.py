@@ -144,7 +144,7 @@ class LLMEngine:
                 raise InvalidKVImport("request", "n=1 and no logprobs", f"n={params.n}, logprobs={params.logprobs}")
             if export_kv not in (None, "grouped", "dense"):
                 raise ValueError(f"export_kv must be 'grouped' or 'dense', not {export_kv!r}")
-            geometries = {(g.num_kv_heads, g.head_dim, g.v_head_dim) for g in self.kv_spec.groups}
+            geometries = {(g.num_kv_heads, g.head_dim, g.v_head_dim, g.kind.pool) for g in self.kv_spec.groups}
             if export_kv == "dense" and len(geometries) > 1:
                 raise ValueError(
                     "the dense span format holds one KV geometry and this model's groups differ: use grouped"

@@ -35,8 +35,10 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from baton.kv.spec import KVGroup
 from baton.models.model_config import TextModelConfig
 
 AXES = "LTHD"
@@ -107,6 +109,12 @@ def indexer_fingerprint(hf: dict) -> dict:
     """The sparse-attention settings that decide which keys a query reads (and so its KV's meaning)."""
     keys = ("index_topk", "index_n_heads", "index_head_dim", "indexer_types", "index_topk_freq", "index_kpool")
     return {k: hf.get(k) for k in keys} | {"rope_interleave": hf.get("indexer_rope_interleave")}
+
+
+def span_rows(group: KVGroup, start: int, n: int) -> np.ndarray:
+    """What a span carries of a group for a prompt of n: positions [start, n), or a pooled
+    group's complete pools [0, n // pool) (its open pool's rows travel as state)."""
+    return np.arange(0, n // group.kind.pool) if group.kind.is_pooled else np.arange(start, n)
 
 
 def to_layout(t: torch.Tensor, src: str, dst: str) -> torch.Tensor:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from baton.handoff.span import AXES, SCALE_KINDS, KVSpan, SpanTensor, to_layout
+from baton.handoff.span import AXES, SCALE_KINDS, KVSpan, SpanTensor, span_rows, to_layout
 from baton.handoff.validate import ImportPlan
 from baton.kv.manager import NULL_BLOCK, KVManager
 from baton.kv.state import StateStorage
@@ -15,12 +15,14 @@ from baton.kv.storage import FP8, KVStorage
 
 
 def _slots(kv: KVManager, request_id: str, group_id: int, positions: np.ndarray) -> torch.Tensor:
+    """The cache rows of `positions` (of a pooled group: of those pools) in the request's blocks."""
     table = np.asarray(kv.block_tables[request_id][group_id], dtype=np.int64)
-    bs = kv.block_size
+    bs, pool = kv.block_size, kv.spec.groups[group_id].kind.pool
+    positions = positions * pool
     blocks = table[positions // bs]
     if (blocks == NULL_BLOCK).any():  # a NULL entry would index the pool's last block: another request's KV
         raise RuntimeError(f"positions of group {group_id} of request {request_id} are no longer held")
-    return torch.from_numpy(blocks * bs + positions % bs)
+    return torch.from_numpy(blocks * (bs // pool) + positions % bs // pool)
 
 
 def held_start(kv: KVManager, request_id: str, group_id: int) -> int:
@@ -43,8 +45,9 @@ def read_group(storage: KVStorage, block_size: int) -> GroupReader:
         if storage.dtype != FP8:
             return [("k", k[:, slots], None), ("v", v[:, slots], None)]
         scales = (storage.k_scale[group_id], storage.v_scale[group_id])
+        rows = storage.spec.groups[group_id].rows_per_block(block_size)
         return [
-            (kind, t.view(torch.uint8)[:, slots], scale[:, slots // block_size, :, None])
+            (kind, t.view(torch.uint8)[:, slots], scale[:, slots // rows, :, None])
             for kind, t, scale in (("k", k, scales[0]), ("v", v, scales[1]))
         ]
 
@@ -81,7 +84,7 @@ def export_span(
     if fmt == "grouped":
         for g in kv.spec.groups:
             start = max(0, n - g.kind.window) if g.kind.is_sliding else 0
-            for kind, held, scale in read(g.group_id, _slots(kv, request_id, g.group_id, np.arange(start, n))):
+            for kind, held, scale in read(g.group_id, _slots(kv, request_id, g.group_id, span_rows(g, start, n))):
                 span.tensors.append(SpanTensor(kind, g.layer_ids, start, _out(held, span.layout)))
                 if scale is not None:
                     span.tensors.append(SpanTensor(SCALE_KINDS[kind], g.layer_ids, start, _out(scale, span.layout)))
@@ -139,5 +142,6 @@ def write_group(
     heads = storage.kv_heads
     if heads is not None:
         k, v = k[:, :, heads.start : heads.stop], v[:, :, heads.start : heads.stop]
+    rows = storage.spec.groups[storage.spec.layer_to_group[layer_ids[0]][0]].rows_per_block(block_size)
     for i, layer_id in enumerate(layer_ids):
-        storage.layer_kv(layer_id).write(slots, k[i], v[i], block_size, fresh=True)
+        storage.layer_kv(layer_id).write(slots, k[i], v[i], rows, fresh=True)

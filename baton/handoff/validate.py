@@ -22,7 +22,7 @@ import torch
 from baton.handoff import wire
 from baton.handoff.errors import InvalidKVImport
 from baton.handoff.replay import TransferLedger
-from baton.handoff.span import AXES, SCALE_KINDS, SPAN_DTYPES, to_layout
+from baton.handoff.span import AXES, SCALE_KINDS, SPAN_DTYPES, span_rows, to_layout
 from baton.kv.manager import KVManager
 from baton.kv.prefix import needed_start, resumable_prefix
 from baton.kv.spec import STATE_DTYPE, KVGroup, KVSpec
@@ -165,6 +165,10 @@ class _Receiver:
         heads, dim = geometries.pop()
         return {"H": heads, "D": dim}
 
+    def pool(self, layers: tuple[int, ...]) -> int:
+        """Tokens per cache row of a group's layers: a pooled group's pool size, else 1."""
+        return next((g.kind.pool for g in self.spec.groups if g.layer_ids == layers), 1)
+
     def state_shape(self, layers: tuple[int, ...], index: Any) -> list[int]:
         shapes = self.spec.state_groups[self.spec.layer_to_state[layers[0]][0]].state_shapes
         _check(_int(index, 0, len(shapes) - 1), "state_index", f"an index in [0, {len(shapes)})", index)
@@ -204,7 +208,9 @@ def check_tensor(i: int, e: Any, n: int, layout: str, receiver: _Receiver, body:
             starts,
         )
         base = kind[0]  # a scale tensor has its K or V tensor's geometry with a head dim of 1
-        want = {"L": len(layers), "T": n - start, **receiver.kv_geometry(base, layers)}
+        pool = receiver.pool(layers)  # a pooled group's rows: its complete pools, from pool 0
+        _check(pool == 1 or start == 0, "positions", "pooled keys from pool 0", start)
+        want = {"L": len(layers), "T": n - start if pool == 1 else n // pool, **receiver.kv_geometry(base, layers)}
         if kind != base:
             want["D"] = 1
         expected_shape = [want[a] for a in layout]
@@ -331,7 +337,7 @@ def plan_import(
             t = t[:, need - src.start :]  # only real positions
             out[kind] = t.to(torch.float32 if kv_dtype == torch.float8_e4m3fn else kv_dtype).contiguous()
             _check_finite(out[kind], f"{kind}.values")  # in the receiver's dtype: float16 overflows too
-        writes.append(GroupWrite(g.group_id, np.arange(need, n), out["k"], out["v"]))
+        writes.append(GroupWrite(g.group_id, span_rows(g, need, n), out["k"], out["v"]))
     state_writes = []
     for gid, j, src in states:
         t = wire.tensor_from_bytes(src.raw, SPAN_DTYPES[src.dtype], src.shape)

@@ -90,10 +90,13 @@ def fit_max_model_len(kv: KVManager, sched: SchedulerConfig, model_max: int) -> 
 
 def _bytes_per_token(spec: KVSpec, dtype: torch.dtype) -> dict[str, float]:
     """A token's KV bytes by part: attention K/V, MLA latents, sparse-attention indexer keys (an
-    MLA row's share of its group's bytes, fp8 scales included)."""
+    MLA row's share of its group's bytes, or a pooled group's; fp8 scales included)."""
     parts: dict[str, float] = {}
     for g in spec.groups:
         per_token = g.bytes_per_block(spec.block_size, dtype) / spec.block_size
+        if g.kind.is_pooled:
+            parts["indexer"] = parts.get("indexer", 0) + per_token
+            continue
         if not g.kind.is_mla:
             parts["attention"] = parts.get("attention", 0) + per_token
             continue

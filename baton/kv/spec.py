@@ -15,14 +15,16 @@ class LayerKind:
     """`full` layers attend to every earlier position; `sliding` ones to the last `window` (self
     included); `mla` ones to every earlier position through one compressed latent of `latent_dim`
     per token, followed in the same cache row by the key of the layer's sparse-attention indexer
-    where it has one (`index_dim`: DeepSeek-V3.2, GLM-5); `recurrent` ones keep no per-token
-    cache, only fixed-size state tensors of `state_shapes` (e.g. a conv window and a delta-rule or
-    SSM state)."""
+    where it has one (`index_dim`: DeepSeek-V3.2, GLM-5); `pooled` ones one key of `latent_dim`
+    per `pool` tokens (GLM-5.3-Flash's pooled indexer keys: a block of block_size tokens holds
+    block_size / pool rows); `recurrent` ones keep no per-token cache, only fixed-size state tensors
+    of `state_shapes` (e.g. a conv window and a delta-rule or SSM state)."""
 
     name: str
     window: int | None = None
     latent_dim: int | None = None
     index_dim: int = 0
+    pool: int = 1
     state_shapes: tuple[tuple[int, ...], ...] = ()
 
     @staticmethod
@@ -40,6 +42,12 @@ class LayerKind:
         if latent_dim < 1 or index_dim < 0:
             raise ValueError(f"an MLA layer needs latent_dim >= 1 and index_dim >= 0, got {latent_dim}, {index_dim}")
         return LayerKind("mla", latent_dim=latent_dim, index_dim=index_dim)
+
+    @staticmethod
+    def pooled(dim: int, pool: int) -> LayerKind:
+        if dim < 1 or pool < 1:
+            raise ValueError(f"a pooled layer needs dim >= 1 and pool >= 1, got {dim}, {pool}")
+        return LayerKind("pooled", latent_dim=dim, pool=pool)
 
     @property
     def row_dim(self) -> int | None:
@@ -70,6 +78,15 @@ class LayerKind:
         return self.name == "mla"
 
     @property
+    def is_pooled(self) -> bool:
+        return self.name == "pooled"
+
+    @property
+    def has_latent(self) -> bool:
+        """K alone, one head: MLA latents and pooled keys."""
+        return self.name in ("mla", "pooled")
+
+    @property
     def is_none(self) -> bool:
         return self.name == "none"
 
@@ -77,7 +94,8 @@ class LayerKind:
 @dataclass(frozen=True)
 class KVGroup:
     """Paged layers of one kind and KV geometry; they share block tables and one storage tensor.
-    An MLA group stores one row per token in K (head_dim = latent_dim + index_dim, one head) and no V."""
+    An MLA group stores one row per token in K (head_dim = latent_dim + index_dim, one head) and no
+    V; a pooled group one row per pool of tokens."""
 
     group_id: int
     kind: LayerKind
@@ -87,11 +105,15 @@ class KVGroup:
 
     @property
     def v_head_dim(self) -> int:
-        return 0 if self.kind.is_mla else self.head_dim
+        return 0 if self.kind.has_latent else self.head_dim
+
+    def rows_per_block(self, block_size: int) -> int:
+        """Cache rows of one block: a row per token, or per pool of tokens."""
+        return block_size // self.kind.pool
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        per_layer = block_size * self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
+        per_layer = self.rows_per_block(block_size) * self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
         if dtype == torch.float8_e4m3fn:  # a float32 K and V scale per KV head
             per_layer += 2 * self.num_kv_heads * 4
         return len(self.layer_ids) * per_layer
@@ -142,8 +164,13 @@ class KVSpec:
         for layer_id, kind in enumerate(layer_kinds):
             by_kind.setdefault(kind, []).append(layer_id)
         paged = [(k, ids) for k, ids in by_kind.items() if not k.is_recurrent and not k.is_none]
+        for kind, _ in paged:
+            if block_size % kind.pool:
+                raise ValueError(
+                    f"block_size {block_size} must be a multiple of the pool size {kind.pool} (index_kpool)"
+                )
         groups = tuple(
-            KVGroup(gid, kind, tuple(ids), 1 if kind.is_mla else num_kv_heads, kind.row_dim or head_dim)
+            KVGroup(gid, kind, tuple(ids), 1 if kind.has_latent else num_kv_heads, kind.row_dim or head_dim)
             for gid, (kind, ids) in enumerate(paged)
         )
         state_groups = tuple(

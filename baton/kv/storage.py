@@ -91,9 +91,9 @@ class KVStorage:
             if dtype == FP8:
                 self.k_scale.append(torch.zeros((len(held), n, g.num_kv_heads), device=device))
                 self.v_scale.append(torch.zeros((len(held), n, g.num_kv_heads), device=device))
-            dims = {"L": len(held), "T": n * spec.block_size, "H": g.num_kv_heads, "D": g.head_dim}
+            dims = {"L": len(held), "T": n * g.rows_per_block(spec.block_size), "H": g.num_kv_heads, "D": g.head_dim}
             self.k.append(_zeros(tuple(dims[a] for a in self.span_layout), dtype, device))
-            dims["D"] = g.v_head_dim  # 0 for MLA: its latent lives in K alone
+            dims["D"] = g.v_head_dim  # 0 for MLA and pooled keys: K alone
             self.v.append(_zeros(tuple(dims[a] for a in self.span_layout), dtype, device))
 
     def group_view(self, group_id: int) -> tuple[torch.Tensor, torch.Tensor]:

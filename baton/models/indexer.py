@@ -10,10 +10,12 @@ is skipped there)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from baton.models.layers import apply_rotary
 from baton.models.model_config import TextModelConfig
+from baton.models.recurrent import segments
 
 SCORE_BYTES = 1 << 26  # the float32 [rows, heads, keys] products a prefill scores at once
 
@@ -79,3 +81,97 @@ class Indexer(nn.Module):
             visible = torch.arange(t)[None, :] <= torch.arange(start + r0, start + r1)[:, None]
             out.append(self.select(self.scores(q[r0:r1], w[r0:r1], keys), visible))
         return torch.cat(out)
+
+
+class PooledIndexer(Indexer):
+    """GLM-5.3-Flash's indexer (NoPE): a query scores *pools* of `index_kpool` consecutive tokens
+    (pool p: tokens [p * kpool, (p + 1) * kpool)), each pool's key Σ_i softmax_i(gate[i] + ape[i])
+    * k[i] per channel, a pure function of its own tokens; a pool is a candidate once its last
+    token is visible. A query reads the tokens of its top index_topk / kpool pools and those of its
+    own open pool (the tail). Pooled keys live in their own paged group (layer `pool_layer`: a row
+    per pool); the last kpool - 1 raw [k | gate] rows, which complete the next pool, are state
+    (layer `window_layer`), checkpointed like a conv window."""
+
+    def __init__(self, cfg: TextModelConfig, q_lora_rank: int, pool_layer: int, window_layer: int) -> None:
+        super().__init__(cfg, q_lora_rank, 0)
+        self.pool = int(cfg.hf.get("index_kpool", 16))
+        if not cfg.hf.get("index_kpool_always_select_tail", True):
+            raise ValueError("index_kpool_always_select_tail false is not supported: a query reads its own open pool")
+        if self.pool < 1 or self.topk < self.pool:
+            raise ValueError(f"index_kpool must be in [1, index_topk={self.topk}], got {self.pool}")
+        self.pool_layer, self.window_layer = pool_layer, window_layer
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.pool, self.dim))
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(self.dim, cfg.hidden_size))
+
+    def write_pools(self, x: torch.Tensor, ctx) -> None:
+        """Each pool a row of x completes, written to its row of the pooled cache; the window of
+        each request's last kpool - 1 raw rows moved on (its checkpoints recorded)."""
+        raw = torch.cat((self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)), dim=-1).float()
+        cache, meta = ctx.for_layer(self.pool_layer)
+        window = checkpoints = None
+        if self.pool > 1:
+            (window,), (checkpoints,) = ctx.states.layer(self.window_layer)
+        for s in segments(ctx.state_meta):
+            rows = raw[s.lo : s.hi] if window is None else torch.cat((window[s.slot], raw[s.lo : s.hi]))
+            ends = (meta.slot_mapping[s.lo : s.hi] >= 0).nonzero().flatten()
+            if ends.numel():
+                pools = rows[ends[:, None] + torch.arange(self.pool)]  # [pools, kpool, 2D]
+                keys, gates = pools.split(self.dim, dim=-1)
+                weights = (gates + self.index_kpool_compress_ape.float()).softmax(dim=1)
+                cache.write(
+                    meta.slot_mapping[s.lo + ends],
+                    (weights * keys).sum(dim=1)[:, None].to(x.dtype),
+                    None,
+                    self.rows_per_block(meta),
+                )
+            if window is not None:
+                window[s.slot].copy_(rows[rows.shape[0] - window.shape[1] :])
+                for cid in s.checkpoints:
+                    checkpoints[cid].copy_(window[s.slot])
+
+    def rows_per_block(self, meta) -> int:
+        return meta.block_size // self.pool
+
+    def _pool_keys(self, ctx, table: torch.Tensor, num_pools: int, dtype: torch.dtype) -> torch.Tensor:
+        """Pooled keys [.., num_pools, D] of block_table rows `table` [.., blocks]."""
+        cache, meta = ctx.for_layer(self.pool_layer)
+        first = torch.arange(num_pools) * self.pool  # each pool's first position
+        block = table[..., first // meta.block_size]
+        slots = block * self.rows_per_block(meta) + first % meta.block_size // self.pool
+        return cache.read_k(slots.reshape(-1), self.rows_per_block(meta), dtype).view(*slots.shape, self.dim)
+
+    def _mask(
+        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, width: int
+    ) -> torch.Tensor:
+        """[n, width] bool: the tokens queries at positions `pos` [n] read, given the pooled keys
+        ([P, D] shared or [n, P, D] each its own)."""
+        visible = (pos[:, None] + 1) // self.pool  # complete pools each query sees
+        num_pools = keys.shape[-2]
+        candidate = torch.arange(num_pools)[None, :] < visible
+        scores = self.scores(q, w, keys).masked_fill(~candidate, float("-inf"))
+        k = min(self.topk // self.pool, num_pools)
+        top = scores.topk(k, dim=-1).indices
+        picked = torch.zeros_like(candidate).scatter_(1, top, True) & candidate
+        tokens = torch.zeros((q.shape[0], width), dtype=torch.bool)
+        covered = min(width, num_pools * self.pool)
+        tokens[:, :covered] = picked.repeat_interleave(self.pool, dim=1)[:, :covered]
+        t = torch.arange(width)[None, :]
+        return tokens | ((t >= visible * self.pool) & (t <= pos[:, None]))  # the open pool's tokens
+
+    def select_rows(self, ctx, q: torch.Tensor, w: torch.Tensor, meta, chosen: dict, dtype: torch.dtype) -> None:
+        """The tokens each row reads, into `chosen` as MLAttention reads it: "decode" [nd, L] for
+        the decode rows where any sees more than index_topk, a chunk's [n, context] by its first row."""
+        _, pmeta = ctx.for_layer(self.pool_layer)
+        nd = pmeta.num_decodes
+        if nd and int(pmeta.decode_kv_lens.max()) > self.topk:
+            pos = pmeta.decode_kv_lens - 1
+            keys = self._pool_keys(ctx, pmeta.decode_block_ids, int(pmeta.decode_kv_lens.max()) // self.pool, dtype)
+            chosen["decode"] = self._mask(q[:nd], w[:nd], keys, pos, int(pmeta.decode_kv_lens.max()))
+        for i, p in enumerate(meta.prefills):
+            end = int(pmeta.kv_lens[p.q_end - 1])
+            if end <= self.topk:
+                continue
+            keys = self._pool_keys(ctx, pmeta.block_table[nd + i], end // self.pool, dtype)
+            pos = torch.arange(end - (p.q_end - p.q_start), end)
+            rows = slice(p.q_start, p.q_end)
+            chosen[p.q_start] = self._mask(q[rows], w[rows], keys, pos, end)

@@ -81,8 +81,12 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
+    """`lower_bound` (GLM-5.3-Flash's safe gate): the per-channel log decay is
+    lower_bound * sigmoid(exp(A_log) * raw) instead of -exp(A_log) * softplus(raw)."""
+
+    def __init__(self, cfg: TextModelConfig, layer_id: int, lower_bound: float | None = None) -> None:
         super().__init__()
+        self.lower_bound = lower_bound
         self.layer_id = layer_id
         self.heads, self.dim, kernel = kda_dims(cfg.hf)
         hd = self.heads * self.dim
@@ -109,7 +113,10 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = F.silu(conv_out).float().view(n, 3, h, d).unbind(1)
         q, k = l2norm(q) * d**-0.5, l2norm(k)
         raw = self.f_b_proj(f_a.contiguous()).float().view(n, h, d) + self.dt_bias.float().view(h, d)
-        decay = -self.A_log.float().exp()[:, None] * F.softplus(raw)  # [n, h, d]: per key channel
+        if self.lower_bound is None:
+            decay = -self.A_log.float().exp()[:, None] * F.softplus(raw)  # [n, h, d]: per key channel
+        else:
+            decay = self.lower_bound * torch.sigmoid(self.A_log.float().exp()[:, None] * raw)
         beta = b.float().sigmoid()
         out = scan_over_segments(q, k, v, decay, beta, segs, rec_state, rec_ckpt)
         gate = self.g_b_proj(g_a.contiguous()).float().view(n, h, d)
@@ -120,7 +127,7 @@ class KimiDeltaAttention(nn.Module):
         """This layer as a fused decoder's step (baton/ops/kda_layer.cpp); None without
         recurrent state or with a projection off the packed kernels."""
         o_proj = unwrapped(self.o_proj)
-        if binding.states is None or not packed_only(self, o_proj):
+        if binding.states is None or self.lower_bound is not None or not packed_only(self, o_proj):
             return None
         return ops().KdaStep(
             heads=self.heads,

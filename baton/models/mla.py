@@ -17,7 +17,7 @@ from torch import nn
 
 from baton.kv.storage import LayerKV
 from baton.models.fused_decode import StepBinding, linear_args, packed_only, plain_float32
-from baton.models.indexer import Indexer
+from baton.models.indexer import Indexer, PooledIndexer
 from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq, RMSNorm, apply_rotary, unwrapped, yarn_mscale
 from baton.models.model_config import TextModelConfig
 from baton.ops import ops
@@ -32,8 +32,9 @@ class MLAttention(nn.Module):
     """`rotary`: kr and each head's rope part of q carry rotary (half-split: an interleaved
     checkpoint's rows are reordered at load), the softmax scale yarn's mscale^2 where the rope is
     yarn with mscale_all_dim. `indexer`: "full" where the layer's own sparse-attention indexer
-    selects the keys each query reads, "shared" where it reads the keys the last indexer layer
-    before it selected in this step (GLM-5), "none" where every query reads every earlier key."""
+    selects the keys each query reads, "pooled" where its pooled indexer does (GLM-5.3-Flash, its
+    caches at `pool_layers`), "shared" where it reads the keys the last indexer layer before it
+    selected in this step (GLM-5), "none" where every query reads every earlier key."""
 
     def __init__(
         self,
@@ -42,6 +43,7 @@ class MLAttention(nn.Module):
         rotary: bool = False,
         indexer: str = "none",
         latent_eps: float = LATENT_NORM_EPS,
+        pool_layers: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         hf = cfg.hf
@@ -71,10 +73,15 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Module()
         self.kv_b_proj.weight = nn.Parameter(torch.empty(self.num_heads * (self.dn + self.dv), self.rank))
         self.o_proj = nn.Linear(self.num_heads * self.dv, h, bias=bias)
-        if indexer == "full" and not q_lora:
+        if indexer in ("full", "pooled") and not q_lora:
             raise ValueError("a sparse-attention indexer reads the q_lora residual: q_lora_rank must be set")
-        self.indexer = Indexer(cfg, int(q_lora), self.dr) if indexer == "full" else None
+        self.indexer: Indexer | None = None
+        if indexer == "full":
+            self.indexer = Indexer(cfg, int(q_lora), self.dr)
+        elif indexer == "pooled":
+            self.indexer = PooledIndexer(cfg, int(q_lora), *pool_layers)
         self.topk = None if indexer == "none" else int(hf.get("index_topk", 2048))  # None: dense
+        self.pool = self.indexer.pool if isinstance(self.indexer, PooledIndexer) else 1
         self.latent = self.rank + self.dr  # a cache row: the latent, then the indexer key (if any)
 
     def decode_step(self, binding: StepBinding):
@@ -126,7 +133,7 @@ class MLAttention(nn.Module):
             k_rot = apply_rotary(k_rot.contiguous(), *rope)
         parts = [self.kv_a_layernorm(ckv[:, : self.rank].contiguous()), k_rot[:, 0]]
         index = None
-        if self.indexer is not None:
+        if self.indexer is not None and self.pool == 1:
             parts.append(self.indexer.keys(x, rope if self.rotary else None).to(x.dtype))
             index = self.indexer.queries(x, q_resid, rope if self.rotary else None)
         row = torch.cat(parts, dim=-1)
@@ -134,6 +141,10 @@ class MLAttention(nn.Module):
         cache.write(meta.slot_mapping, row[:, None], None, meta.block_size)
         out = torch.empty((n, self.num_heads, self.dv), dtype=x.dtype)
         nd, chosen = meta.num_decodes, ctx.selection
+        if isinstance(self.indexer, PooledIndexer):  # selects here, from its own caches
+            chosen.clear()
+            self.indexer.write_pools(x, ctx)
+            self.indexer.select_rows(ctx, *self.indexer.queries(x, q_resid, None), meta, chosen, x.dtype)
         if nd:
             out[:nd] = self._decode(
                 q[:nd], cache, meta, None if index is None else (index[0][:nd], index[1][:nd]), chosen
@@ -169,10 +180,12 @@ class MLAttention(nn.Module):
         if self.topk is not None and longest > self.topk:  # gather the selected rows only
             if index is not None:
                 scores = self.indexer.scores(*index, rows[..., self.latent :])
-                chosen["decode"] = scores.masked_fill(~valid, float("-inf")).topk(self.topk, dim=-1).indices
-            top = chosen["decode"]
+                chosen["decode"] = self.indexer.select(scores, valid)
+            picked = chosen["decode"]  # [nd, L] bool
+            keep = min(longest, self.topk + self.pool - 1)
+            top = torch.sort((~picked).to(torch.uint8), dim=1, stable=True).indices[:, :keep]  # picked first
             rows = rows.gather(1, top[..., None].expand(-1, -1, rows.shape[-1]))
-            valid = valid.gather(1, top)
+            valid = picked.gather(1, top)
         rows = rows[..., : self.latent]
         w_uk, w_uv = self._absorbed()
         q_lat = torch.einsum("nhd,hdr->nhr", q[..., : self.dn], w_uk.to(q.dtype))

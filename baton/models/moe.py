@@ -14,18 +14,27 @@ from baton.ops import ops
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
+    """down(silu(gate(x)) * up(x)), gate and up fused into one projection; with `swiglu_limit`
+    (GLM-5.3-Flash) gate clamped from above and up on both sides at it first."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_activation(self.gate_up_proj(x), False))
+        if self.swiglu_limit is None:
+            return self.down_proj(gated_activation(self.gate_up_proj(x), False))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        limit = self.swiglu_limit
+        return self.down_proj(F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit))
 
     def decode_step(self, binding: StepBinding):
-        """This MLP as a fused decoder's step; None unless its projections run on the packed kernels."""
+        """This MLP as a fused decoder's step; None unless its projections run on the packed kernels
+        (and none with a clamp, which the step lacks)."""
+        if self.swiglu_limit is not None:
+            return None
         return gated_mlp_step(self.gate_up_proj, self.down_proj, False)
 
 
@@ -179,11 +188,20 @@ class GroupedSigmoidMoE(nn.Module):
     """SigmoidRouter over `num_experts` gated-SiLU experts (each run only on its tokens) plus an
     ungated shared expert of width `shared_intermediate_size` (none when 0) on every token."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, shared_intermediate_size: int, **router) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        shared_intermediate_size: int,
+        swiglu_limit: float | None = None,
+        **router,
+    ) -> None:
         super().__init__()
         self.gate = SigmoidRouter(hidden_size, **router)
-        self.experts = nn.ModuleList([MLP(hidden_size, intermediate_size) for _ in range(self.gate.num_experts)])
-        self.shared_experts = MLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        self.swiglu_limit = swiglu_limit
+        mlp = lambda size: MLP(hidden_size, size, swiglu_limit)  # noqa: E731
+        self.experts = nn.ModuleList([mlp(intermediate_size) for _ in range(self.gate.num_experts)])
+        self.shared_experts = mlp(shared_intermediate_size) if shared_intermediate_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -194,6 +212,8 @@ class GroupedSigmoidMoE(nn.Module):
         """This MoE as a fused decoder's step (baton/ops/moe_layer.cpp); None unless its experts run
         on the packed kernels and the router's weight is plain float32."""
         gate = self.gate
+        if self.swiglu_limit is not None:
+            return None
         if not packed_only(self.experts, *([self.shared_experts] if self.shared_experts is not None else [])):
             return None
         if not plain_float32(gate.weight):

@@ -7,6 +7,7 @@ from torch import nn
 from baton.models.dsa import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from baton.models.gemma3 import Gemma3ForCausalLM
 from baton.models.glm4_moe import Glm4MoeForCausalLM
+from baton.models.glm5_flash import Glm5FlashForCausalLM
 from baton.models.kimi_linear import KimiLinearForCausalLM
 from baton.models.llama import LlamaForCausalLM
 from baton.models.nemotron_h import NemotronHForCausalLM
@@ -26,6 +27,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
+    "Glm5NextForConditionalGeneration": Glm5FlashForCausalLM,
 }
 
 

@@ -1,0 +1,220 @@
+"""GLM-5.3-Flash (Glm5NextForConditionalGeneration, served as text; its vision tower is not read):
+Kimi Delta Attention layers (a lower-bounded sigmoid forget gate) where i % 4 != 3, NoPE MLA with a
+pooled sparse-attention indexer (baton/models/indexer.py) on the others, dense MLPs then
+sigmoid-routed experts, SwiGLU clamped at `swiglu_limit`, and hyper-connections: the residual
+stream is `hc_mult` copies of the hidden state, collapsed into each block's input and re-mixed
+after it by per-token weights (pure per-token math, nothing cached), averaged before the final norm.
+
+KV: each MLA layer's latents (a group of its own kind), its pooled indexer keys (layer ids after
+the model's layers, a row per pool) and the raw [k | gate] rows of the open pool (state, layer ids
+after those), so a chunk may end mid-pool and a rejected draft rolls back exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.kv.spec import LayerKind
+from baton.models.kimi_linear import KimiDeltaAttention, kda_dims
+from baton.models.layers import RMSNorm
+from baton.models.llama import ForwardContext, LlamaForCausalLM
+from baton.models.mla import MLAttention
+from baton.models.model_config import TextModelConfig
+from baton.models.moe import MLP, GroupedSigmoidMoE
+
+PREFIX = "model.language_model."
+
+
+def layer_types(hf: dict[str, Any]) -> list[str]:
+    """Each layer "linear_attention" (KDA) or "indexed_attention" (MLA + pooled indexer)."""
+    n = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types") or ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)]
+    types = ["indexed_attention" if t == "full_attention" else t for t in types]
+    if len(types) != n or any(t not in ("linear_attention", "indexed_attention") for t in types):
+        raise ValueError(f"layer_types must name linear_attention or indexed_attention for each of the {n} layers")
+    indexers = hf.get("indexer_types") or ["full"] * n
+    if any(t == "indexed_attention" and indexers[i] != "full" for i, t in enumerate(types)):
+        raise ValueError("every GLM-5.3-Flash MLA layer needs its own indexer (indexer_types 'full')")
+    return types
+
+
+def mla_layers(hf: dict[str, Any]) -> list[int]:
+    return [i for i, t in enumerate(layer_types(hf)) if t == "indexed_attention"]
+
+
+def pool_layers(hf: dict[str, Any], layer_id: int) -> tuple[int, int]:
+    """(pooled keys, open-pool window): the cache layer ids of MLA layer `layer_id`'s indexer."""
+    n, mla = int(hf["num_hidden_layers"]), mla_layers(hf)
+    j = mla.index(layer_id)
+    return n + j, n + len(mla) + j
+
+
+def layer_kinds(hf: dict[str, Any]) -> list[LayerKind]:
+    heads, dim, kernel = kda_dims(hf)
+    recurrent = LayerKind.recurrent((3 * heads * dim, kernel - 1), (heads, dim, dim))
+    mla = LayerKind.mla(int(hf.get("kv_lora_rank", 512)) + int(hf.get("qk_rope_head_dim") or 0))
+    kinds = [recurrent if t == "linear_attention" else mla for t in layer_types(hf)]
+    index_dim, pool = int(hf.get("index_head_dim", 128)), int(hf.get("index_kpool", 16))
+    count = len(mla_layers(hf))
+    kinds += [LayerKind.pooled(index_dim, pool)] * count
+    if pool > 1:  # the open pool's raw rows: at most pool - 1
+        kinds += [LayerKind.recurrent((pool - 1, 2 * index_dim))] * count
+    return kinds
+
+
+class HyperConnection(nn.Module):
+    """From the streams [T, N, H]: `pre` collapses them into the block's input, `post` spreads the
+    block's output over them, `comb` (doubly stochastic by Sinkhorn) mixes them into the next."""
+
+    def __init__(self, cfg: TextModelConfig) -> None:
+        super().__init__()
+        hf = cfg.hf
+        self.n = int(hf.get("hc_mult", 4))
+        self.iters, self.eps = int(hf.get("hc_sinkhorn_iters", 20)), float(hf.get("hc_eps", 1e-6))
+        self.norm_eps = cfg.rms_norm_eps
+        self.fn = nn.Parameter(torch.empty((2 + self.n) * self.n, self.n * cfg.hidden_size))
+        self.base = nn.Parameter(torch.empty((2 + self.n) * self.n))
+        self.scale = nn.Parameter(torch.empty(3))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(post [T, N], comb [T, N, N], the block's input [T, H])."""
+        n = self.n
+        flat = streams.reshape(streams.shape[0], -1).float()
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
+        pre_w, post_w, comb_w = F.linear(flat, self.fn.float()).split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.float().unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+    @staticmethod
+    def merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """The next streams: the block's output spread by post, plus the streams mixed by comb."""
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), streams
+        )
+
+
+class FlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
+        super().__init__()
+        hf, h = cfg.hf, cfg.hidden_size
+        limit = None if hf.get("swiglu_limit") is None else float(hf["swiglu_limit"])
+        if layer_types(hf)[layer_id] == "linear_attention":
+            bound = hf.get("linear_lower_bound")
+            self.self_attn = KimiDeltaAttention(cfg, layer_id, None if bound is None else float(bound))
+        else:
+            pools = pool_layers(hf, layer_id)
+            self.self_attn = MLAttention(
+                cfg, layer_id, indexer="pooled", latent_eps=cfg.rms_norm_eps, pool_layers=pools
+            )
+        mlp_types = hf.get("mlp_layer_types") or ["dense"] * 3 + ["sparse"] * cfg.num_layers
+        if mlp_types[layer_id] == "sparse":
+            size = int(hf["moe_intermediate_size"])
+            self.mlp = GroupedSigmoidMoE(
+                h,
+                size,
+                size * int(hf.get("n_shared_experts") or 0),
+                swiglu_limit=limit,
+                num_experts=int(hf["n_routed_experts"]),
+                top_k=int(hf["num_experts_per_tok"]),
+                n_group=int(hf.get("n_group") or 1),
+                topk_group=int(hf.get("topk_group") or 1),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            )
+        else:
+            self.mlp = MLP(h, cfg.intermediate_size, limit)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(cfg)
+        self.ffn_hc = HyperConnection(cfg)
+
+    def forward(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        post, comb, h = self.attn_hc(streams)
+        streams = self.attn_hc.merge(post, comb, self.self_attn(self.input_layernorm(h), ctx), streams)
+        post, comb, h = self.ffn_hc(streams)
+        return self.ffn_hc.merge(post, comb, self.mlp(self.post_attention_layernorm(h)), streams)
+
+
+class Glm5FlashForCausalLM(LlamaForCausalLM):
+    """The text model of a Glm5NextForConditionalGeneration checkpoint (module path only: the
+    fused decode step has no hyper-connection or pooled-indexer step yet)."""
+
+    layer_cls = FlashDecoderLayer
+    layer_kinds_from = staticmethod(layer_kinds)
+
+    def __init__(self, cfg: TextModelConfig) -> None:
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"GLM-5.3-Flash supports hidden_act silu, got {cfg.hidden_act!r}")
+        super().__init__(cfg)
+        self.rotary = nn.ModuleDict()  # NoPE everywhere
+        self.layer_kinds = []
+        self.fused_decode = False
+        self.hc_mult = int(cfg.hf.get("hc_mult", 4))
+        mtp = int(cfg.hf.get("num_nextn_predict_layers") or 0)
+        self.skipped_weights = ("model.visual.", *(f"{PREFIX}layers.{cfg.num_layers + i}." for i in range(mtp)))
+        self._weight_map: dict[str, tuple[str, int | None, tuple[int, ...]]] | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed(input_ids)
+        streams = x[:, None].expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, ctx)
+        return self.norm(streams.mean(dim=1))
+
+    # ---- weights: checkpoint names in, fused parameters out ------------------------------------
+    _HC = {"attn_hc.": "hc_attn_", "ffn_hc.": "hc_ffn_"}
+
+    def _hf_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int | None, tuple[int, ...]]]:
+        """The checkpoint tensors (name, first row in the parameter or None for all of it, shape)
+        that parameter `name` is made of."""
+        hf = name if name.startswith("lm_head.") else PREFIX + name
+        for ours, theirs in self._HC.items():
+            hf = hf.replace(ours, theirs)
+        if hf.endswith(".self_attn.in_proj.weight"):
+            rows = self.layers[int(name.split(".")[1])].self_attn.in_rows
+            starts = [sum(list(rows.values())[:i]) for i in range(len(rows))]
+            return [
+                (hf.replace("in_proj", part), start, (r, shape[1])) for (part, r), start in zip(rows.items(), starts)
+            ]
+        if hf.endswith(".self_attn.conv_weight"):
+            c = shape[0] // 3
+            return [
+                (hf.replace("conv_weight", f"{p}_conv1d.weight"), i * c, (c, 1, shape[1])) for i, p in enumerate("qkv")
+            ]
+        if hf.endswith(".gate_up_proj.weight"):
+            half = shape[0] // 2
+            return [
+                (hf.replace("gate_up_proj", p), i * half, (half, shape[1]))
+                for i, p in enumerate(("gate_proj", "up_proj"))
+            ]
+        return [(hf, None, shape)]
+
+    def _weights(self) -> dict[str, tuple[str, int | None, tuple[int, ...]]]:
+        if self._weight_map is None:
+            self._weight_map = {
+                hf: (name, start, shape)
+                for name, p in self.named_parameters()
+                for hf, start, shape in self._hf_parts(name, tuple(p.shape))
+            }
+        return self._weight_map
+
+    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {hf: shape for hf, (_, _, shape) in self._weights().items()}
+
+    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
+        name, start, shape = self._weights()[hf_name]
+        param = self.get_parameter(name).data
+        dst = param if start is None else param[start : start + shape[0]]
+        dst.copy_(tensor.reshape(dst.shape))
