@@ -3,7 +3,8 @@
 Prints output tokens/s for batch 1 and for 16 prompts at once, and the ratio baton / transformers.
     python -m bench.offline [--model smollm2-135m] [--max-tokens 64] [--num-prompts 16]
 --model also takes a hybrid family's random model (bench/hybrid_models.py: qwen3-next-100m,
-kimi-linear-100m, nemotron-h-100m), prompted with random token ids.
+kimi-linear-100m, nemotron-h-100m, deepseek-v32-100m, glm5-100m, glm5-flash-100m), prompted with
+random token ids.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def main() -> None:
     if args.model in FAMILIES:
         path = build(EnvSettings.read().cache_dir, args.model)
         llm = LLM(str(path), progress=False)
-        ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        import transformers
+
+        arch = getattr(transformers, FAMILIES[args.model][0])  # a multimodal checkpoint's own class (GLM-5.3-Flash)
+        ref = arch.from_pretrained(str(path), dtype=torch.float32).eval()
         rng = random.Random(0)
         prompts = [[rng.randrange(10, 31000) for _ in range(rng.randrange(8, 16))] for _ in range(args.num_prompts)]
         pad = 0

@@ -140,33 +140,47 @@ class PooledIndexer(Indexer):
         slots = block * self.rows_per_block(meta) + first % meta.block_size // self.pool
         return cache.read_k(slots.reshape(-1), self.rows_per_block(meta), dtype).view(*slots.shape, self.dim)
 
-    def _mask(
-        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, width: int
-    ) -> torch.Tensor:
-        """[n, width] bool: the tokens queries at positions `pos` [n] read, given the pooled keys
-        ([P, D] shared or [n, P, D] each its own)."""
-        visible = (pos[:, None] + 1) // self.pool  # complete pools each query sees
+    def _top_pools(self, q, w, keys, pos) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(each query's top pools [n, k], which of them are candidates, the complete pools it
+        sees [n, 1]) given the pooled keys ([P, D] shared or [n, P, D] each its own)."""
+        visible = (pos[:, None] + 1) // self.pool
         num_pools = keys.shape[-2]
         candidate = torch.arange(num_pools)[None, :] < visible
         scores = self.scores(q, w, keys).masked_fill(~candidate, float("-inf"))
-        k = min(self.topk // self.pool, num_pools)
-        top = scores.topk(k, dim=-1).indices
-        picked = torch.zeros_like(candidate).scatter_(1, top, True) & candidate
+        top = scores.topk(min(self.topk // self.pool, num_pools), dim=-1).indices
+        return top, candidate.gather(1, top), visible
+
+    def _mask(self, q, w, keys, pos: torch.Tensor, width: int) -> torch.Tensor:
+        """[n, width] bool: the tokens queries at positions `pos` [n] read: their top pools' and
+        their open pool's (a prefill chunk's mask over its context)."""
+        top, real, visible = self._top_pools(q, w, keys, pos)
+        picked = torch.zeros((q.shape[0], keys.shape[-2]), dtype=torch.bool).scatter_(1, top, real)
         tokens = torch.zeros((q.shape[0], width), dtype=torch.bool)
-        covered = min(width, num_pools * self.pool)
+        covered = min(width, picked.shape[1] * self.pool)
         tokens[:, :covered] = picked.repeat_interleave(self.pool, dim=1)[:, :covered]
         t = torch.arange(width)[None, :]
-        return tokens | ((t >= visible * self.pool) & (t <= pos[:, None]))  # the open pool's tokens
+        return tokens | ((t >= visible * self.pool) & (t <= pos[:, None]))
+
+    def _positions(self, q, w, keys, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions [n, index_topk + kpool - 1 at most], which are real): the tokens decode
+        queries at `pos` read, their top pools' then their open pool's, with no per-position work."""
+        top, real, visible = self._top_pools(q, w, keys, pos)
+        within = torch.arange(self.pool)
+        pooled = (top[..., None] * self.pool + within).flatten(1)
+        tail = visible * self.pool + within[None, :-1]
+        positions = torch.cat((pooled, tail), dim=1)
+        return positions, torch.cat((real.repeat_interleave(self.pool, dim=1), tail <= pos[:, None]), dim=1)
 
     def select_rows(self, ctx, q: torch.Tensor, w: torch.Tensor, meta, chosen: dict, dtype: torch.dtype) -> None:
-        """The tokens each row reads, into `chosen` as MLAttention reads it: "decode" [nd, L] for
-        the decode rows where any sees more than index_topk, a chunk's [n, context] by its first row."""
+        """The tokens each row reads, into `chosen` as MLAttention reads it: "decode" (positions,
+        real) for the decode rows where any sees more than index_topk, a chunk's [n, context] mask by
+        its first row."""
         _, pmeta = ctx.for_layer(self.pool_layer)
         nd = pmeta.num_decodes
         if nd and int(pmeta.decode_kv_lens.max()) > self.topk:
             pos = pmeta.decode_kv_lens - 1
             keys = self._pool_keys(ctx, pmeta.decode_block_ids, int(pmeta.decode_kv_lens.max()) // self.pool, dtype)
-            chosen["decode"] = self._mask(q[:nd], w[:nd], keys, pos, int(pmeta.decode_kv_lens.max()))
+            chosen["decode"] = self._positions(q[:nd], w[:nd], keys, pos)
         for i, p in enumerate(meta.prefills):
             end = int(pmeta.kv_lens[p.q_end - 1])
             if end <= self.topk:

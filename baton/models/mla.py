@@ -172,20 +172,20 @@ class MLAttention(nn.Module):
         which it leaves in `chosen` for the layers that share them."""
         bs, blocks = meta.block_size, meta.decode_block_ids
         lens, longest = meta.decode_kv_lens, int(meta.decode_kv_lens.max())
-        pos = torch.arange(longest)[None, :] + meta.decode_kv_offsets[:, None]  # within the listed blocks
-        valid = torch.arange(longest)[None, :] < lens[:, None]
+        sparse = self.topk is not None and longest > self.topk
+        if sparse and index is None:  # chosen already (a pooled indexer, a shared layer): read only those
+            pos, valid = chosen["decode"]
+        else:
+            pos = torch.arange(longest)[None, :] + meta.decode_kv_offsets[:, None]  # within the listed blocks
+            valid = torch.arange(longest)[None, :] < lens[:, None]
         block = blocks.gather(1, (pos // bs).clamp(max=blocks.shape[1] - 1))
         slots = torch.where(valid, block * bs + pos % bs, 0)
         rows = self._latents(cache, slots, bs, q.dtype)  # [nd, L, R + dr (+ indexer key)]
-        if self.topk is not None and longest > self.topk:  # gather the selected rows only
-            if index is not None:
-                scores = self.indexer.scores(*index, rows[..., self.latent :])
-                chosen["decode"] = self.indexer.select(scores, valid)
-            picked = chosen["decode"]  # [nd, L] bool
-            keep = min(longest, self.topk + self.pool - 1)
-            top = torch.sort((~picked).to(torch.uint8), dim=1, stable=True).indices[:, :keep]  # picked first
-            rows = rows.gather(1, top[..., None].expand(-1, -1, rows.shape[-1]))
-            valid = picked.gather(1, top)
+        if sparse and index is not None:  # scored over every key: gather the selected rows
+            scores = self.indexer.scores(*index, rows[..., self.latent :]).masked_fill(~valid, float("-inf"))
+            top = scores.topk(self.topk, dim=-1).indices
+            chosen["decode"] = pos.gather(1, top), valid.gather(1, top)
+            rows, valid = rows.gather(1, top[..., None].expand(-1, -1, rows.shape[-1])), chosen["decode"][1]
         rows = rows[..., : self.latent]
         w_uk, w_uv = self._absorbed()
         q_lat = torch.einsum("nhd,hdr->nhr", q[..., : self.dn], w_uk.to(q.dtype))
