@@ -267,3 +267,55 @@ def test_parallel_engines_take_free_ports_and_give_them_back(tmp_path):
     finally:
         other.communicate("", timeout=60)
     assert other.returncode == 0
+
+
+@pytest.mark.parametrize("family", [pytest.param("glm5", marks=pytest.mark.slow), "flash"])
+def test_sparse_attention_models_at_tp2_and_pp2(tmp_path, family):
+    """GLM-5 (its indexer replicated so every rank selects alike; a stage never starts at a layer
+    that shares the selection before it) and GLM-5.3-Flash (KDA by heads, the pooled indexer and
+    its caches replicated, the hyper-connection streams crossing the stage boundary)."""
+    from tests import test_dsa, test_glm5_flash
+
+    if family == "glm5":
+        _, path = test_dsa.build(tmp_path, "glm5")
+    else:
+        _, path = test_glm5_flash.flash.__wrapped__(_Factory(tmp_path))
+    ids = [
+        {"prompt_token_ids": torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+        for n in (9, 70, 150)
+    ]
+    _same(str(path), ids, fused=False, block_size=16, max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20)
+
+
+class _Factory:
+    """tmp_path_factory's one method, over a test's own directory."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def mktemp(self, name: str):
+        return self.path
+
+
+def test_pd_of_glm5_flash_between_tp1_and_tp2_and_fp8(tmp_path):
+    """GLM-5.3-Flash's span (latents, complete pools, the open pool's rows and the KDA state) from
+    TP=1 into TP=2 and back, and from float32 into an fp8 worker: the receiving worker's own tokens."""
+    from tests import test_glm5_flash
+    from tests.test_handoff import prefill_span, run_imported
+
+    _, path = test_glm5_flash.flash.__wrapped__(_Factory(tmp_path))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    settings = dict(progress=False, block_size=16, max_num_batched_tokens=32, kv_cache_memory_bytes=64 << 20)
+    one = LLM(str(path), **settings)
+    two = LLM(str(path), **settings, tensor_parallel_size=2)
+    fp8 = LLM(str(path), **{**settings, "block_size": 32}, kv_cache_dtype="fp8")
+    try:
+        for n in (37, 64, 67):
+            ids = torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            alone = list(one.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids)
+            assert list(run_imported(two, ids, prefill_span(one, ids), params).outputs[0].token_ids) == alone
+            assert list(run_imported(one, ids, prefill_span(two, ids), params).outputs[0].token_ids) == alone
+            own = list(fp8.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids)
+            assert list(run_imported(fp8, ids, prefill_span(one, ids), params).outputs[0].token_ids) == own
+    finally:
+        two.shutdown()

@@ -68,7 +68,7 @@ class LLMEngine:
             sched,
             kv_dtype,
             spec.num_speculative_tokens if spec else 0,
-            layers=stage.layers if stage else None,
+            layers=stage.cache_layers if stage else None,
         )
         if self.ranks is not None:
             self.ranks.build_caches(memory, kv_dtype)

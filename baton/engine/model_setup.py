@@ -42,7 +42,9 @@ def load_rank_model(config: EngineConfig, tp: TPGroup, rank: int = 0, progress: 
     pp = config.parallel.pipeline_parallel_size
     if pp > 1:
         index = rank // tp.size
-        stage = Stage(index, pp, tp, stage_layers(local.num_layers, pp, index))
+        layers = stage_layers(local.num_layers, pp, index, getattr(model, "can_start_stage", None))
+        owned = getattr(model, "cache_layers", None)  # an indexer's pooled caches belong to its layer
+        stage = Stage(index, pp, tp, layers, tuple(owned(layers)) if owned else ())
         cut_stage(model, stage)
     if tp.size > 1:
         from baton.parallel.shard import shard_model

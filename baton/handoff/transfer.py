@@ -139,9 +139,10 @@ def write_group(
     v: torch.Tensor,
 ) -> None:
     """K and V [layers, T, every head, dim] into a group's layers (this rank's heads of them)."""
+    group = storage.spec.groups[storage.spec.layer_to_group[layer_ids[0]][0]]
     heads = storage.kv_heads
-    if heads is not None:
+    if heads is not None and not group.kind.has_latent:  # MLA latents and pooled keys: every rank's whole
         k, v = k[:, :, heads.start : heads.stop], v[:, :, heads.start : heads.stop]
-    rows = storage.spec.groups[storage.spec.layer_to_group[layer_ids[0]][0]].rows_per_block(block_size)
+    rows = group.rows_per_block(block_size)
     for i, layer_id in enumerate(layer_ids):
         storage.layer_kv(layer_id).write(slots, k[i], v[i], rows, fresh=True)

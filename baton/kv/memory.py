@@ -4,6 +4,7 @@ the KV and recurrent-state tensors, the longest request that fits, and the start
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +34,12 @@ def build_cache_memory(
     sched: SchedulerConfig,
     kv_dtype: torch.dtype,
     drafts_per_slot: int = 0,
-    layers: range | None = None,
+    layers: Collection[int] | None = None,
 ) -> CacheMemory:
     """`drafts_per_slot`: speculative decoding's k (recurrent layers keep a state per verified draft).
-    `layers`: a pipeline stage's layers; it holds their share of the pools, its budget's worth."""
+    `layers`: a pipeline stage's cache layers; it holds their share of the pools, its budget's worth."""
     spec = KVSpec.build(mc.layer_kinds, mc.num_kv_heads, mc.head_dim, cache.block_size)
-    share = 1.0 if layers is None else len(layers) / mc.num_layers
+    share = 1.0 if layers is None else len([i for i in layers if i < mc.num_layers]) / mc.num_layers
     sizes = size_kv_pools(
         spec,
         kv_dtype,

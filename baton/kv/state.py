@@ -9,6 +9,7 @@ hash of that prefix: a later request with the same prefix resumes at L from it.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,7 @@ class StateStorage:
         num_checkpoints: int,
         device: str = "cpu",
         drafts_per_slot: int = 0,
-        layers: range | None = None,
+        layers: Collection[int] | None = None,
     ) -> None:
         """`drafts_per_slot`: speculative decoding's k; each slot then has k scratch snapshots after
         the checkpoints, the state after each verified draft, one of which is committed.
@@ -40,7 +41,7 @@ class StateStorage:
         self.journal: list[list] | None = None
         # tensor parallel: per state group and tensor, the channels of the model's first state
         # dimension this rank holds (None: all of them)
-        self.channels: list[list[torch.Tensor]] | None = None
+        self.channels: list[list[torch.Tensor | None]] | None = None  # None: every rank holds it whole
         rows = num_checkpoints + num_slots * drafts_per_slot
         self.running: list[list[torch.Tensor]] = []
         self.checkpoints: list[list[torch.Tensor]] = []
@@ -107,7 +108,7 @@ class StateStorage:
 
     def write_state(self, slot: int, group_id: int, index: int, values: torch.Tensor) -> None:
         """One state tensor of a slot, [layers, *shape] with every channel of the model."""
-        if self.channels is not None:
+        if self.channels is not None and self.channels[group_id][index] is not None:
             values = values[:, self.channels[group_id][index]]
         self.running[group_id][index][:, slot].copy_(values)
 

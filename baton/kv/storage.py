@@ -4,6 +4,7 @@ an fp8 cache also a K and a V scale per (layer, block, kv head)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,7 @@ class KVStorage:
         dtype: torch.dtype,
         layout: str = "NHD",
         device: str = "cpu",
-        layers: range | None = None,
+        layers: Collection[int] | None = None,
     ) -> None:
         """`layers`: a pipeline stage's layers, the only ones given memory (default: all)."""
         if layout not in KV_LAYOUTS:

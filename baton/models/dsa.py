@@ -90,6 +90,11 @@ class DeepseekV32ForCausalLM(Glm4MoeForCausalLM):
     def __init__(self, cfg: TextModelConfig) -> None:
         super().__init__(cfg)
         self.rotary = nn.ModuleDict({"full": Rotary(cfg.rope["full"], mla_dims(cfg.hf)[2])})
+        self._indexer_types = indexer_types(cfg.hf)
+
+    def can_start_stage(self, layer: int) -> bool:
+        """A shared layer reads the selection of the layer before it: never a pipeline stage's first."""
+        return self._indexer_types[layer] == "full"
 
     def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
         rank, dn, dr = mla_dims(self.cfg.hf)

@@ -162,16 +162,27 @@ class Glm5FlashForCausalLM(LlamaForCausalLM):
         self.layer_kinds = []
         self.fused_decode = False
         self.hc_mult = int(cfg.hf.get("hc_mult", 4))
+        self.stage_stream_width = self.hc_mult * cfg.hidden_size  # what a pipeline stage hands on: the streams
         mtp = int(cfg.hf.get("num_nextn_predict_layers") or 0)
         self.skipped_weights = ("model.visual.", *(f"{PREFIX}layers.{cfg.num_layers + i}." for i in range(mtp)))
         self._weight_map: dict[str, tuple[str, int | None, tuple[int, ...]]] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed(input_ids)
-        streams = x[:, None].expand(-1, self.hc_mult, -1).contiguous()
+        x = self.embed(input_ids)  # a later pipeline stage's input: the streams, flat
+        n, h = x.shape[0], self.cfg.hidden_size
+        streams = (
+            x.view(n, self.hc_mult, h) if x.shape[1] != h else x[:, None].expand(-1, self.hc_mult, -1).contiguous()
+        )
         for layer in self.layers:
             streams = layer(streams, ctx)
+        if not isinstance(self.norm, RMSNorm):  # a pipeline stage before the last hands on the streams
+            return streams.reshape(n, -1)
         return self.norm(streams.mean(dim=1))
+
+    def cache_layers(self, layers: range) -> list[int]:
+        """The cache layer ids a pipeline stage of `layers` holds: theirs and their indexers'."""
+        owned = [i for layer in layers if layer in mla_layers(self.cfg.hf) for i in pool_layers(self.cfg.hf, layer)]
+        return [*layers, *owned]
 
     # ---- weights: checkpoint names in, fused parameters out ------------------------------------
     _HC = {"attn_hc.": "hc_attn_", "ffn_hc.": "hc_ffn_"}

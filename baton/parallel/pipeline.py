@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,10 @@ class Stage:
     count: int
     tp: TPGroup
     layers: range  # this stage's decoder layers
+    cache_layers: tuple[int, ...] = ()  # the KV and state layer ids it holds: its layers' and what they own
+
+    def __post_init__(self) -> None:
+        self.cache_layers = self.cache_layers or tuple(self.layers)
 
     @property
     def is_first(self) -> bool:
@@ -40,10 +45,18 @@ class Stage:
         return stage * self.tp.size + self.tp.rank
 
 
-def stage_layers(num_layers: int, count: int, index: int) -> range:
+def stage_layers(num_layers: int, count: int, index: int, can_start: Callable[[int], bool] | None = None) -> range:
+    """Stage `index`'s layers: an even cut, each stage's first layer moved back to one that
+    `can_start` a stage (GLM-5's shared-selection layers read the layer before them)."""
     if num_layers < count:
         raise ValueError(f"{num_layers} layers do not cut into {count} pipeline stages")
-    return even_split(num_layers, count, index)
+    starts = [even_split(num_layers, count, i).start for i in range(count)] + [num_layers]
+    for i in range(1, count):
+        while can_start is not None and not can_start(starts[i]) and starts[i] > starts[i - 1] + 1:
+            starts[i] -= 1
+        if can_start is not None and not can_start(starts[i]):
+            raise ValueError(f"no layer between {starts[i - 1] + 1} and {starts[i]} can start pipeline stage {i}")
+    return range(starts[index], starts[index + 1])
 
 
 class ResidualOut(nn.Module):
@@ -128,7 +141,8 @@ def run_stage(model: nn.Module, stage: Stage, steps: list[dict], forward) -> lis
     sends them to the driver); the driver returns them as received; other ranks return []."""
     sends = []
     logits: list[torch.Tensor] = []
-    hidden_size, vocab = model.cfg.hidden_size, model.cfg.vocab_size
+    # what crosses a stage boundary per row: the residual stream (GLM-5.3-Flash: its hc_mult streams)
+    hidden_size, vocab = getattr(model, "stage_stream_width", model.cfg.hidden_size), model.cfg.vocab_size
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
     for step in steps:
         n = step["input_ids"].shape[0]

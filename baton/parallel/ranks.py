@@ -26,6 +26,7 @@ from baton.kv.storage import KVStorage
 from baton.parallel import messages
 from baton.parallel.comm import TPGroup, destroy_process_group, init_process_group, listen
 from baton.parallel.pipeline import Stage
+from baton.parallel.shard import group_heads
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,11 @@ def reduce_state(tp: TPGroup, states: StateStorage, spec: KVSpec, slot: int) -> 
         out.append([])
         for j, t in enumerate(tensors):
             full = torch.zeros((t.shape[0], *g.state_shapes[j]), dtype=t.dtype)
-            full[:, states.channels[g.group_id][j]] = t[:, slot]
+            channels = states.channels[g.group_id][j]
+            if channels is not None:
+                full[:, channels] = t[:, slot]
+            elif tp.rank == 0:  # replicated: one rank's copy, not the sum of all
+                full.copy_(t[:, slot])
             tp.reduce_to_first(full)
             out[-1].append(full)
     return out
@@ -153,7 +158,8 @@ class Ranks:
 
         def read(group_id: int, slots: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
             self.send({"op": "read_kv", "group": group_id, "slots": slots})
-            gather = lambda t: self.tp.gather_heads(t, shares, num_kv_heads)  # noqa: E731  (scales: [.., heads, 1])
+            heads = group_heads(storage.spec.groups[group_id], shares, num_kv_heads)
+            gather = lambda t: self.tp.gather_heads(t, *heads)  # noqa: E731  (scales: [.., heads, 1])
             return [(kind, gather(t), None if s is None else gather(s)) for kind, t, s in local(group_id, slots)]
 
         return read

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.kv.spec import KVSpec
+from baton.kv.spec import KVGroup, KVSpec
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
 from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor, BlockWeight
@@ -71,8 +71,19 @@ def split_caches(
     storage.kv_heads = shares[tp.rank]
     channels = getattr(model, "state_channels", None)
     if storage.spec.has_state and channels is not None:
-        states.channels = [channels[g.layer_ids[0]] for g in storage.spec.state_groups]
+        # a state no layer split (a pooled indexer's open pool) is every rank's whole: None
+        states.channels = [
+            channels.get(g.layer_ids[0], [None] * len(g.state_shapes)) for g in storage.spec.state_groups
+        ]
     return CacheSplit(shares, KVSpec.build(whole.layer_kinds, whole.num_kv_heads, whole.head_dim, block_size))
+
+
+def group_heads(group: KVGroup, shares: list[range], num_kv_heads: int) -> tuple[list[range], int]:
+    """Each rank's heads of a group and the group's whole count: MLA latents and pooled keys are
+    every rank's whole (replicated), attention K/V heads split as `shares` says."""
+    if group.kind.has_latent:
+        return [range(group.num_kv_heads)] * len(shares), group.num_kv_heads
+    return shares, num_kv_heads
 
 
 class Sharder:

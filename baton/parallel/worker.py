@@ -26,7 +26,7 @@ from baton.parallel import messages
 from baton.parallel.comm import destroy_process_group, init_process_group
 from baton.parallel.pipeline import run_stage
 from baton.parallel.ranks import reduce_state, spawn_ranks
-from baton.parallel.shard import split_caches
+from baton.parallel.shard import group_heads, split_caches
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def run_rank(config: EngineConfig, rank: int) -> None:
     assert sizes["op"] == "caches"
     spec = KVSpec.build(local.layer_kinds, local.num_kv_heads, local.head_dim, config.cache.block_size)
     kv_dtype = kv_cache_dtype(config, rank_model)
-    layers = rank_model.stage.layers if rank_model.stage else None  # a pipeline stage keeps only its own
+    layers = rank_model.stage.cache_layers if rank_model.stage else None  # a pipeline stage keeps only its own
     storage = KVStorage(spec, sizes["num_blocks"], kv_dtype, sizes["kv_layout"], layers=layers)
     states = StateStorage(
         spec,
@@ -70,9 +70,10 @@ def run_rank(config: EngineConfig, rank: int) -> None:
             if step["op"] == "stop":
                 break
             if step["op"] == "read_kv":  # an export: this rank's heads, gathered on the driver
+                heads = group_heads(spec.groups[step["group"]], split.shares, whole.num_kv_heads)
                 for _, t, scale in read(step["group"], step["slots"]):
                     for x in (t, scale) if scale is not None else (t,):
-                        tp.gather_heads(x, split.shares, whole.num_kv_heads)
+                        tp.gather_heads(x, *heads)
                 continue
             if step["op"] == "read_state":
                 reduce_state(tp, states, split.whole_spec, step["slot"])
