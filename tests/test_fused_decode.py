@@ -1,4 +1,4 @@
-"""The hybrid and MoE families' decode-only steps as one C++ call (baton/models/fused_decode.py
+"""The hybrid, MoE and sparse-attention families' decode-only steps as one C++ call (baton/models/fused_decode.py
 over each layer's declared steps): the bits of the module-by-module path, prefix-cache hits, and
 state checkpoints (Gated DeltaNet, KDA, Mamba2) taken during decode. (The Llama family's are in
 test_batching.py and test_random_models.py.)"""
@@ -8,12 +8,16 @@ from __future__ import annotations
 import pytest
 
 from baton import LLM, SamplingParams
-from tests.test_kimi_linear import kimi  # noqa: F401  (the random model fixtures)
+from tests.test_dsa import dsa_glm5, dsa_v32  # noqa: F401  (the random model fixtures)
+from tests.test_kimi_linear import kimi  # noqa: F401
 from tests.test_mtp import glm  # noqa: F401
 from tests.test_nemotron_h import nemotron  # noqa: F401
 from tests.test_recurrent_hybrid import _ids, qwen3_5, qwen3_next  # noqa: F401
 
-FAMILIES = pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi", "nemotron", "glm"])
+FAMILIES = pytest.mark.parametrize(
+    "family", ["qwen3_next", "qwen3_5", "kimi", "nemotron", "glm", "dsa_v32", "dsa_glm5"]
+)
+LATENT_FLOAT32 = ("kimi", "dsa_v32", "dsa_glm5")  # the MLA step reads float32 latent caches only
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 
@@ -34,12 +38,12 @@ def _fused_steps(llm: LLM) -> int:
 @FAMILIES
 @pytest.mark.parametrize("weights", ["float32", "q4_0"])
 def test_fused_decode_has_the_bits_of_the_module_path(family, weights, request, monkeypatch):
-    """float32, and 4-bit weights beside an fp8 KV cache (Kimi's MLA latent cache is float32 only:
-    its q4_0 run keeps it)."""
+    """float32, and 4-bit weights beside an fp8 KV cache (an MLA step's latent cache is float32
+    only: those q4_0 runs keep it). DeepSeek-V3.2 and GLM-5: rotary MLA, their indexers' top-k
+    (every prompt here is longer than index_topk), GLM-5's shared selections."""
     _, path = request.getfixturevalue(family)
-    narrow = (
-        {} if weights == "float32" else {"quantization": weights, "kv_cache_dtype": None if family == "kimi" else "fp8"}
-    )
+    kv = None if family in LATENT_FLOAT32 else "fp8"
+    narrow = {} if weights == "float32" else {"quantization": weights, "kv_cache_dtype": kv}
     llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, **narrow)
     prompts = [{"prompt_token_ids": _ids(n, 50 + n)} for n in (150, 40, 77)]
     fused = llm.generate(prompts, PARAMS)

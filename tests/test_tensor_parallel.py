@@ -284,7 +284,8 @@ def test_sparse_attention_models_at_tp2_and_pp2(tmp_path, family):
         {"prompt_token_ids": torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
         for n in (9, 70, 150)
     ]
-    _same(str(path), ids, fused=False, block_size=16, max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20)
+    fused = family == "glm5"  # GLM-5.3-Flash has no fused step yet
+    _same(str(path), ids, fused=fused, block_size=16, max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20)
 
 
 class _Factory:

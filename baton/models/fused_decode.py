@@ -5,7 +5,7 @@ order, so a row's bits are the module path's."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,8 @@ class StepBinding:
     storage: KVStorage
     states: StateStorage | None
     rope_dims: dict[str, int]
+    # the keys a sparse-attention layer selects in a step, for the layers sharing them (GLM-5)
+    selection: object = field(default_factory=lambda: ops().Selection())
 
     def kv_group(self, layer_id: int) -> int:
         return self.storage.spec.layer_to_group[layer_id][0]

@@ -87,14 +87,14 @@ class MLAttention(nn.Module):
     def decode_step(self, binding: StepBinding):
         """This attention as a fused decoder's step for decode rows (baton/ops/mla_layer.cpp); None
         unless its projections run on the packed kernels, kv_b_proj's weight (the absorbed
-        einsum's very operand, never packed) is float32 and the latent cache is float32."""
+        einsum's very operand, never packed) is float32 and the latent cache is float32 (and none
+        yet for a pooled indexer)."""
         o_proj = unwrapped(self.o_proj)
         lora = not hasattr(self, "q_proj")
         cache = binding.storage.layer_kv(self.layer_id).k
-        if self.rotary or self.topk is not None:
-            return None  # the step is NoPE dense MLA's
-        if not packed_only(self, o_proj) or not plain_float32(self.kv_b_proj.weight, cache):
+        if self.pool > 1 or not packed_only(self, o_proj) or not plain_float32(self.kv_b_proj.weight, cache):
             return None
+        index = self.indexer
         return ops().MlaStep(
             heads=self.num_heads,
             kv_lora_rank=self.rank,
@@ -104,6 +104,10 @@ class MLAttention(nn.Module):
             hidden=o_proj.out_features,
             q_lora_rank=self.q_a_proj.out_features if lora else 0,
             scale=self.scale,
+            latent_eps=self.kv_a_layernorm.eps,
+            rope=binding.rope("full") if self.rotary else -1,
+            topk=self.topk or 0,
+            selection=binding.selection if self.topk else None,
             **linear_args("q_proj", None if lora else self.q_proj),
             **linear_args("q_a", self.q_a_proj if lora else None),
             q_a_norm=self.q_a_layernorm.weight if lora else None,
@@ -112,6 +116,7 @@ class MLAttention(nn.Module):
             kv_a_norm=self.kv_a_layernorm.weight,
             kv_b=self.kv_b_proj.weight,
             **linear_args("o_proj", o_proj),
+            **({} if index is None else indexer_args(index)),
             k_cache=cache,
             group=binding.kv_group(self.layer_id),
         )
@@ -259,6 +264,20 @@ def _selected_tiles(tiles: list[KVTile], chosen: torch.Tensor) -> list[KVTile]:
         blind = ~allowed.any(dim=1)
         out.append(KVTile(t.lo, t.hi, mask, blind if bool(blind.any()) else None))
     return out
+
+
+def indexer_args(index: Indexer) -> dict:
+    """A per-token indexer's arguments to the MLA step."""
+    return {
+        "index_heads": index.heads,
+        "index_dim": index.dim,
+        **linear_args("index_wq_b", index.wq_b),
+        **linear_args("index_wk", index.wk),
+        **linear_args("index_weights", index.weights_proj),
+        "index_k_norm": index.k_norm.weight,
+        "index_k_norm_bias": index.k_norm.bias,
+        "index_k_norm_eps": index.k_norm.eps,
+    }
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:

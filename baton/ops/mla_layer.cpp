@@ -1,12 +1,16 @@
-// NoPE multi-head latent attention as a layer step of the fused decoder (fused_decoder.h), for
-// decode rows (MLAttention.forward, baton/models/mla.py): q (q_proj, or q_a -> its norm -> q_b),
-// the normed latent and kr written to the latent cache, the absorbed attention over each row's
-// cached latents (as MLAttention._decode's very ATen ops, so the bits are the same), o_proj.
+// Multi-head latent attention as a layer step of the fused decoder (fused_decoder.h), for decode
+// rows (MLAttention.forward, baton/models/mla.py): q (q_proj, or q_a -> its norm -> q_b), rotary
+// on q's and kr's rope channels where the model has it, the normed latent and kr (and a sparse-
+// attention indexer's key) written to the cache row, the absorbed attention over each row's cached
+// latents, or over those its indexer selects (or the layer before it selected: GLM-5's shared
+// layers), all as MLAttention's very ATen ops so the bits are the same; o_proj.
 #include "step_common.h"
 
-#include <algorithm>
-#include <cstring>
+#include <cmath>
 #include <limits>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -15,30 +19,33 @@ struct MlaShape {
   int64_t latent() const { return rank + dr; }  // a cache row: the normed latent c, then kr
 };
 
-// Attention of q [n, heads, dn + dr] over each row's cached latents in cache [slots, rank + dr]
-// (the context block_ids / kv_offsets / kv_lens give, already checked), kv_b [heads * (dn + dv),
-// rank] the plain kv_b_proj weight: [n, heads * dv], o_proj's input. The slots each row reads are
-// gathered in a plain loop: integers, the same values as the module path's index arithmetic.
-torch::Tensor mla_decode(const MlaShape& s, const torch::Tensor& q, const torch::Tensor& cache,
-                         const torch::Tensor& kv_b, const torch::Tensor& block_ids, const torch::Tensor& kv_offsets,
-                         const torch::Tensor& kv_lens, int64_t block_size, double scale) {
-  const int64_t n = q.size(0), width = block_ids.size(1);
-  const int64_t* bp = block_ids.data_ptr<int64_t>();
-  const int64_t* off = kv_offsets.data_ptr<int64_t>();
-  const int64_t* lens = kv_lens.data_ptr<int64_t>();
-  const int64_t longest = n ? *std::max_element(lens, lens + n) : 0;
-  torch::Tensor slots = torch::zeros({n, longest}, kv_lens.options());
-  torch::Tensor valid = torch::zeros({n, longest}, kv_lens.options().dtype(at::kBool));
-  int64_t* sp = slots.data_ptr<int64_t>();
-  bool* vp = valid.data_ptr<bool>();
-  const int64_t row_stride = block_ids.stride(0);
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t l = 0; l < lens[t]; ++l) {
-      const int64_t pos = off[t] + l;
-      sp[t * longest + l] = bp[t * row_stride + std::min(pos / block_size, width - 1)] * block_size + pos % block_size;
-      vp[t * longest + l] = true;
-    }
-  const torch::Tensor rows = cache.index({slots});  // [n, L, rank + dr]
+// The keys a sparse-attention layer's decode rows read, [rows, k] positions and which are real:
+// written by an indexer's step, read by the shared steps after it in the same decode step.
+struct Selection {
+  torch::Tensor pos, valid;
+};
+
+// Each decode row's context positions [n, longest] (within its listed blocks) and which are real.
+std::pair<torch::Tensor, torch::Tensor> context(const torch::Tensor& kv_offsets, const torch::Tensor& kv_lens) {
+  const int64_t longest = kv_lens.numel() ? kv_lens.max().item<int64_t>() : 0;
+  const torch::Tensor l = torch::arange(longest, kv_lens.options()).unsqueeze(0);
+  return {l + kv_offsets.unsqueeze(1), l < kv_lens.unsqueeze(1)};
+}
+
+// The cache slots of positions `pos` [n, L] (0 where not `valid`), as MLAttention._decode computes them.
+torch::Tensor slots_of(const torch::Tensor& pos, const torch::Tensor& valid, const torch::Tensor& block_ids,
+                       int64_t block_size) {
+  const torch::Tensor block = block_ids.gather(1, at::floor_divide(pos, block_size).clamp_max(block_ids.size(1) - 1));
+  return at::where(valid, block * block_size + at::remainder(pos, block_size), 0);
+}
+
+// Absorbed attention of q [n, heads, dn + dr] over the cache rows `rows` [n, L, >= rank + dr]
+// (`valid` [n, L] the real ones), kv_b [heads * (dn + dv), rank] the plain kv_b_proj weight:
+// [n, heads * dv], o_proj's input.
+torch::Tensor absorbed(const MlaShape& s, const torch::Tensor& q, torch::Tensor rows, const torch::Tensor& valid,
+                       const torch::Tensor& kv_b, double scale) {
+  const int64_t n = q.size(0);
+  rows = rows.slice(2, 0, s.latent());
   const torch::Tensor w = kv_b.view({s.heads, s.dn + s.dv, s.rank});
   const torch::Tensor w_uk = w.slice(1, 0, s.dn), w_uv = w.slice(1, s.dn);
   const torch::Tensor q_lat = at::einsum("nhd,hdr->nhr", {q.slice(2, 0, s.dn), w_uk});
@@ -48,8 +55,24 @@ torch::Tensor mla_decode(const MlaShape& s, const torch::Tensor& q, const torch:
   return at::einsum("nhr,hvr->nhv", {o_lat, w_uv}).contiguous().view({n, s.heads * s.dv});
 }
 
+// A layer's lightning indexer (baton/models/indexer.py, Indexer): its queries, head weights and
+// key, and each decode row's top-k over the keys cached after the latents.
+struct IndexerStep {
+  int64_t heads = 0, dim = 0, topk = 0;
+  StepLinear wq_b, wk, weights;
+  torch::Tensor k_norm_weight, k_norm_bias;
+  double k_norm_eps = 1e-6;
 
-constexpr double kLatentNormEps = 1e-6;  // mla.LATENT_NORM_EPS
+  void read(StepArgs& a, int64_t hidden, int64_t q_lora_rank) {
+    heads = a.integer("index_heads"), dim = a.integer("index_dim");
+    wq_b = a.linear("index_wq_b", q_lora_rank, heads * dim);
+    wk = a.linear("index_wk", hidden, dim);
+    weights = a.linear("index_weights", hidden, heads);
+    k_norm_weight = a.vector("index_k_norm", dim);
+    k_norm_bias = a.vector("index_k_norm_bias", dim);
+    k_norm_eps = a.real("index_k_norm_eps");
+  }
+};
 
 class MlaStep : public LayerStep {
  public:
@@ -57,7 +80,8 @@ class MlaStep : public LayerStep {
       : s_{a.integer("heads"), a.integer("kv_lora_rank"), a.integer("nope_dim"), a.integer("rope_dim"),
            a.integer("v_dim")},
         hidden_(a.integer("hidden")), q_lora_rank_(a.integer("q_lora_rank")), scale_(a.real("scale")),
-        group_(a.integer("group")) {
+        latent_eps_(a.real("latent_eps")), group_(a.integer("group")), rope_(a.integer("rope")),
+        topk_(a.integer("topk")) {
     const int64_t q_out = s_.heads * (s_.dn + s_.dr);
     if (q_lora_rank_ > 0) {
       q_a_ = a.linear("q_a", hidden_, q_lora_rank_);
@@ -74,10 +98,17 @@ class MlaStep : public LayerStep {
                     kv_b_.size(1) == s_.rank,
                 "kv_b must be contiguous [", s_.heads * (s_.dn + s_.dv), ", ", s_.rank, "], got ", kv_b_.sizes());
     o_ = a.linear("o_proj", s_.heads * s_.dv, hidden_);
+    if (a.has("index_heads")) {
+      TORCH_CHECK(q_lora_rank_ > 0, "an indexer reads the q_lora residual");
+      index_.read(a, hidden_, q_lora_rank_);
+    }
+    selection_ = a.object<Selection>("selection");
+    TORCH_CHECK(topk_ <= 0 || selection_ != nullptr, "a sparse-attention step needs its selection");
+    const int64_t row = s_.latent() + index_.dim;
     const torch::Tensor cache = a.tensor("k_cache");
     check_float(cache, "k_cache");
-    TORCH_CHECK(cache.dim() == 3 && cache.size(1) == 1 && cache.size(2) == s_.latent() && cache.stride(2) == 1,
-                "the latent cache must be [slots, 1, ", s_.latent(), "], got ", cache.sizes());
+    TORCH_CHECK(cache.dim() == 3 && cache.size(1) == 1 && cache.size(2) == row && cache.stride(2) == 1,
+                "the latent cache must be [slots, 1, ", row, "], got ", cache.sizes());
     TORCH_CHECK(group_ >= 0, "group must be an index, got ", group_);
     cache_ = cache.select(1, 0);
   }
@@ -86,32 +117,65 @@ class MlaStep : public LayerStep {
     StepNeeds n;
     n.kv_group = group_;
     n.kv_slots = cache_.size(0);
+    if (rope_ >= 0) n.rope = rope_, n.rope_dim = s_.dr;
     return n;
   }
 
   torch::Tensor run(const torch::Tensor& h, const StepBatch& step, StepStopwatch& watch) override {
-    const int64_t n = h.size(0), latent = s_.latent(), q_out = s_.heads * (s_.dn + s_.dr);
-    const torch::Tensor q =
-        (q_lora_rank_ > 0 ? q_b_(rms_norm(q_a_(h), c10::nullopt, q_a_norm_, kLatentNormEps, 0.0)) : q_proj_(h))
-            .view({n, s_.heads, s_.dn + s_.dr});
+    const int64_t n = h.size(0);
+    const torch::Tensor q_resid =
+        q_lora_rank_ > 0 ? rms_norm(q_a_(h), c10::nullopt, q_a_norm_, latent_eps_, 0.0) : torch::Tensor();
+    const torch::Tensor q = (q_lora_rank_ > 0 ? q_b_(q_resid) : q_proj_(h)).view({n, s_.heads, s_.dn + s_.dr});
     const torch::Tensor ckv = kv_a_(h);
+    torch::Tensor k_rot = ckv.slice(1, s_.rank).unsqueeze(1);
+    torch::Tensor index_q, index_w, index_k;
+    if (index_.dim) {
+      index_q = index_.wq_b(q_resid).view({n, index_.heads, index_.dim});
+      index_k = at::layer_norm(index_.wk(h), {index_.dim}, index_.k_norm_weight, index_.k_norm_bias,
+                               index_.k_norm_eps);
+      index_w = index_.weights(h) * std::pow(static_cast<double>(index_.heads), -0.5);
+    }
     watch.lap(StepPart::kLinears);
-    const torch::Tensor c =
-        rms_norm(ckv.slice(1, 0, s_.rank).contiguous(), c10::nullopt, kv_a_norm_, kLatentNormEps, 0.0);
-    {
-      const int64_t* slot = step.slot_mapping[group_].data_ptr<int64_t>();
-      const float* cp = c.data_ptr<float>();
-      const float* kp = ckv.data_ptr<float>();
-      float* cache = cache_.data_ptr<float>();
-      const int64_t stride = cache_.stride(0);
-      for (int64_t t = 0; t < n; ++t) {
-        float* row = cache + slot[t] * stride;
-        std::memcpy(row, cp + t * s_.rank, s_.rank * sizeof(float));
-        std::memcpy(row + s_.rank, kp + t * latent + s_.rank, s_.dr * sizeof(float));
+    if (rope_ >= 0) {
+      const torch::Tensor &cos = step.cos[rope_], &sin = step.sin[rope_];
+      torch::Tensor q_rope = q.slice(2, s_.dn);
+      rotary_(q_rope, cos, sin);
+      k_rot = k_rot.contiguous();
+      rotary_(k_rot, cos, sin);
+      if (index_.dim) {
+        torch::Tensor iq = index_q.slice(2, 0, s_.dr), ik = index_k.unsqueeze(1).slice(2, 0, s_.dr);
+        rotary_(iq, cos, sin);
+        rotary_(ik, cos, sin);
       }
     }
-    const torch::Tensor attn = mla_decode(s_, q, cache_, kv_b_, step.block_ids[group_], step.kv_offsets[group_],
-                                          step.kv_lens[group_], step.block_size, scale_);
+    const torch::Tensor c = rms_norm(ckv.slice(1, 0, s_.rank).contiguous(), c10::nullopt, kv_a_norm_, latent_eps_, 0.0);
+    std::vector<torch::Tensor> parts{c, k_rot.select(1, 0)};
+    if (index_.dim) parts.push_back(index_k);
+    cache_.index_copy_(0, step.slot_mapping[group_], at::cat(parts, -1));
+    watch.lap(StepPart::kNorms);
+    const torch::Tensor &block_ids = step.block_ids[group_], &kv_lens = step.kv_lens[group_];
+    const int64_t longest = n ? kv_lens.max().item<int64_t>() : 0;
+    const bool sparse = topk_ > 0 && longest > topk_;
+    torch::Tensor pos, valid;
+    if (sparse && !index_.dim) {  // the selection of the indexer layer before: read only those
+      pos = selection_->pos, valid = selection_->valid;
+    } else {
+      std::tie(pos, valid) = context(step.kv_offsets[group_], kv_lens);
+    }
+    torch::Tensor rows = cache_.index({slots_of(pos, valid, block_ids, step.block_size)});
+    if (sparse && index_.dim) {  // scored over every key: the selected rows
+      torch::Tensor per_head = at::matmul(index_q, rows.slice(2, s_.latent()).transpose(-1, -2)) *
+                               std::pow(static_cast<double>(index_.dim), -0.5);
+      per_head.relu_();
+      const torch::Tensor scores = at::matmul(index_w.unsqueeze(1), per_head)
+                                       .squeeze(1)
+                                       .masked_fill(valid.logical_not(), -std::numeric_limits<float>::infinity());
+      const torch::Tensor top = std::get<1>(scores.topk(topk_, -1));
+      selection_->pos = pos.gather(1, top), selection_->valid = valid.gather(1, top);
+      rows = rows.gather(1, top.unsqueeze(-1).expand({-1, -1, rows.size(2)}));
+      valid = selection_->valid;
+    }
+    const torch::Tensor attn = absorbed(s_, q, rows, valid, kv_b_, scale_);
     watch.lap(StepPart::kAttention);
     torch::Tensor o = o_(attn);
     watch.lap(StepPart::kLinears);
@@ -121,18 +185,23 @@ class MlaStep : public LayerStep {
  private:
   MlaShape s_;
   int64_t hidden_, q_lora_rank_;
-  double scale_;
-  int64_t group_;
-  StepLinear q_proj_;         // without a q LoRA
-  StepLinear q_a_, q_b_;      // with one (q_lora_rank > 0), and q_a's norm
+  double scale_, latent_eps_;
+  int64_t group_, rope_, topk_;  // rope: the rope kind (-1: NoPE); topk: index_topk (0: dense)
+  StepLinear q_proj_;            // without a q LoRA
+  StepLinear q_a_, q_b_;         // with one (q_lora_rank > 0), and q_a's norm
   torch::Tensor q_a_norm_;
-  StepLinear kv_a_;           // kv_a_proj_with_mqa, and kv_a_layernorm
+  StepLinear kv_a_;  // kv_a_proj_with_mqa, and kv_a_layernorm
   torch::Tensor kv_a_norm_;
-  torch::Tensor kv_b_;        // the plain kv_b_proj weight [heads * (dn + dv), rank]
+  torch::Tensor kv_b_;  // the plain kv_b_proj weight [heads * (dn + dv), rank]
   StepLinear o_;
-  torch::Tensor cache_;       // [slots, rank + dr]
+  IndexerStep index_;  // dim 0: none (dense, or a shared layer)
+  std::shared_ptr<Selection> selection_;
+  torch::Tensor cache_;  // [slots, rank + dr (+ the indexer's dim)]
 };
 
 }  // namespace
 
-void bind_mla_layer(pybind11::module_& m) { bind_step<MlaStep>(m, "MlaStep"); }
+void bind_mla_layer(pybind11::module_& m) {
+  pybind11::class_<Selection, std::shared_ptr<Selection>>(m, "Selection").def(pybind11::init<>());
+  bind_step<MlaStep>(m, "MlaStep");
+}

@@ -111,6 +111,12 @@ class StepArgs {
   StateTensors state(const torch::Tensor& conv_weight, int64_t channels, int64_t kc,
                      const std::vector<int64_t>& state_shape);
   void finish(const char* step) const;
+  // a bound C++ object (a state several steps share); null where absent or None
+  template <class T>
+  std::shared_ptr<T> object(const char* name) {
+    const pybind11::object o = take(name, false);
+    return o.is_none() ? nullptr : o.cast<std::shared_ptr<T>>();
+  }
 
  private:
   pybind11::object take(const std::string& name, bool required);
