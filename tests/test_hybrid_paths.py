@@ -33,7 +33,7 @@ def _state(llm: LLM):
     return free, len(e.kv.free_slots), dict(e.kv.block_tables), digest.hexdigest(), dict(e.requests)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "dsa_glm5", "flash"])
+@pytest.mark.parametrize("family", [*FAMILIES, pytest.param("dsa_glm5", marks=pytest.mark.slow), "flash"])
 def test_decode_after_a_prefix_hit_and_after_preemption_keeps_the_reference_logits(family, request, monkeypatch):
     ref, path = request.getfixturevalue(family)
     prompts = [_ids(60 + 7 * i, 10 + i) for i in range(6)]
