@@ -21,10 +21,11 @@ from torch import nn
 
 from baton.kv.spec import LayerKind
 from baton.models.glm4_moe import Glm4MoeDecoderLayer, Glm4MoeForCausalLM, sparse_moe
-from baton.models.layers import RMSNorm, Rotary
+from baton.models.layers import RMSNorm
 from baton.models.llama import GatedMLP
 from baton.models.mla import MLAttention
 from baton.models.model_config import TextModelConfig
+from baton.models.rope import Rotary
 
 
 def mla_dims(hf: dict[str, Any]) -> tuple[int, int, int]:

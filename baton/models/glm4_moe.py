@@ -21,11 +21,12 @@ from torch import nn
 from baton.kv.spec import LayerKind
 from baton.kv.storage import KVStorage
 from baton.models.fused_decode import DecodeBlock, FusedDecoder, StepBinding, mixer_mlp_blocks
-from baton.models.layers import RMSNorm, Rotary, paged_attention, unwrapped
+from baton.models.layers import RMSNorm, paged_attention, unwrapped
 from baton.models.llama import Attention, ForwardContext, GatedMLP, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import GroupedSigmoidMoE
 from baton.models.qwen3_next import partial_rotary
+from baton.models.rope import Rotary
 
 
 def num_mtp_layers(hf: dict[str, Any]) -> int:

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.models.layers import apply_rotary
 from baton.models.model_config import TextModelConfig
 from baton.models.recurrent import segments
+from baton.models.rope import apply_rotary
 
 SCORE_BYTES = 1 << 26  # the float32 [rows, heads, keys] products a prefill scores at once
 

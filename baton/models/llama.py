@@ -24,9 +24,7 @@ from baton.models.layers import (
     GroupAttnMetadata,
     PackedLinear,
     RMSNorm,
-    Rotary,
     StackedLinear,
-    apply_rotary,
     embedding,
     gated_activation,
     pack_linears,
@@ -35,6 +33,7 @@ from baton.models.layers import (
 )
 from baton.models.model_config import TextModelConfig
 from baton.models.recurrent import StateMetadata
+from baton.models.rope import Rotary, apply_rotary
 
 
 @dataclass

@@ -18,8 +18,9 @@ from torch import nn
 from baton.kv.storage import LayerKV
 from baton.models.fused_decode import StepBinding, linear_args, packed_only, plain_float32
 from baton.models.indexer import Indexer, PooledIndexer
-from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq, RMSNorm, apply_rotary, unwrapped, yarn_mscale
+from baton.models.layers import GroupAttnMetadata, KVTile, PrefillSeq, RMSNorm, unwrapped
 from baton.models.model_config import TextModelConfig
+from baton.models.rope import apply_rotary, yarn_mscale
 from baton.ops import ops
 
 LATENT_NORM_EPS = 1e-6  # kv_a_layernorm / q_a_layernorm are built without eps: the class default

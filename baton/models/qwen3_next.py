@@ -19,11 +19,12 @@ from baton.models.fused_decode import (
     packed_only,
     state_args,
 )
-from baton.models.layers import RMSNorm, Rotary, paged_attention, unwrapped
+from baton.models.layers import RMSNorm, paged_attention, unwrapped
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import SparseMoE, dense_mlp
 from baton.models.recurrent import conv_over_segments, scan_over_segments, segments
+from baton.models.rope import Rotary
 from baton.ops import ops
 
 
