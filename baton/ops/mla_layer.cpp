@@ -128,12 +128,17 @@ class MlaStep : public LayerStep {
     const torch::Tensor q = (q_lora_rank_ > 0 ? q_b_(q_resid) : q_proj_(h)).view({n, s_.heads, s_.dn + s_.dr});
     const torch::Tensor ckv = kv_a_(h);
     torch::Tensor k_rot = ckv.slice(1, s_.rank).unsqueeze(1);
+    const torch::Tensor &block_ids = step.block_ids[group_], &kv_lens = step.kv_lens[group_];
+    const int64_t longest = n ? kv_lens.max().item<int64_t>() : 0;
+    const bool sparse = topk_ > 0 && longest > topk_;  // else every key is read: no scoring, no queries
     torch::Tensor index_q, index_w, index_k;
     if (index_.dim) {
-      index_q = index_.wq_b(q_resid).view({n, index_.heads, index_.dim});
       index_k = at::layer_norm(index_.wk(h), {index_.dim}, index_.k_norm_weight, index_.k_norm_bias,
                                index_.k_norm_eps);
-      index_w = index_.weights(h) * std::pow(static_cast<double>(index_.heads), -0.5);
+      if (sparse) {
+        index_q = index_.wq_b(q_resid).view({n, index_.heads, index_.dim});
+        index_w = index_.weights(h) * std::pow(static_cast<double>(index_.heads), -0.5);
+      }
     }
     watch.lap(StepPart::kLinears);
     if (rope_ >= 0) {
@@ -143,9 +148,12 @@ class MlaStep : public LayerStep {
       k_rot = k_rot.contiguous();
       rotary_(k_rot, cos, sin);
       if (index_.dim) {
-        torch::Tensor iq = index_q.slice(2, 0, s_.dr), ik = index_k.unsqueeze(1).slice(2, 0, s_.dr);
-        rotary_(iq, cos, sin);
+        torch::Tensor ik = index_k.unsqueeze(1).slice(2, 0, s_.dr);
         rotary_(ik, cos, sin);
+      }
+      if (index_q.defined()) {
+        torch::Tensor iq = index_q.slice(2, 0, s_.dr);
+        rotary_(iq, cos, sin);
       }
     }
     const torch::Tensor c = rms_norm(ckv.slice(1, 0, s_.rank).contiguous(), c10::nullopt, kv_a_norm_, latent_eps_, 0.0);
@@ -153,9 +161,6 @@ class MlaStep : public LayerStep {
     if (index_.dim) parts.push_back(index_k);
     cache_.index_copy_(0, step.slot_mapping[group_], at::cat(parts, -1));
     watch.lap(StepPart::kNorms);
-    const torch::Tensor &block_ids = step.block_ids[group_], &kv_lens = step.kv_lens[group_];
-    const int64_t longest = n ? kv_lens.max().item<int64_t>() : 0;
-    const bool sparse = topk_ > 0 && longest > topk_;
     torch::Tensor pos, valid;
     if (sparse && !index_.dim) {  // the selection of the indexer layer before: read only those
       pos = selection_->pos, valid = selection_->valid;
