@@ -684,3 +684,29 @@ def test_huge_page_tensor_is_writable_and_sized():
     assert t.dtype == torch.uint8 and t.numel() == 13
     t.fill_(7)
     assert int(t.sum()) == 91
+
+
+def test_hc_weights_match_the_torch_formula():
+    """A hyper-connection's weights (GLM-5.3-Flash) as transformers computes them in torch:
+    sigmoids, a softmax and 20 Sinkhorn passes, to float32 rounding; comb doubly stochastic."""
+    from baton.ops import hc_weights
+
+    gen = torch.Generator().manual_seed(0)
+    n, iters, eps = 4, 20, 1e-6
+    mixed, base, scale = (torch.randn(s, generator=gen) for s in ((37, (2 + n) * n), ((2 + n) * n,), (3,)))
+    pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    want_pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    want_post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    pre, post, got = hc_weights(mixed, base, scale, n, iters, eps)
+    torch.testing.assert_close(pre, want_pre, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(post, want_post, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, comb, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.sum(dim=-2), torch.ones(37, n), rtol=0, atol=1e-4)
+    with pytest.raises(RuntimeError, match="mixed must be"):
+        hc_weights(mixed[:, :-1].contiguous(), base, scale, n, iters, eps)

@@ -24,6 +24,7 @@ from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.mla import MLAttention
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import MLP, GroupedSigmoidMoE
+from baton.ops import hc_weights
 
 PREFIX = "model.language_model."
 
@@ -74,6 +75,8 @@ class HyperConnection(nn.Module):
         hf = cfg.hf
         self.n = int(hf.get("hc_mult", 4))
         self.iters, self.eps = int(hf.get("hc_sinkhorn_iters", 20)), float(hf.get("hc_eps", 1e-6))
+        if self.n < 1 or self.iters < 1:
+            raise ValueError(f"hc_mult and hc_sinkhorn_iters must be >= 1, got {self.n} and {self.iters}")
         self.norm_eps = cfg.rms_norm_eps
         self.fn = nn.Parameter(torch.empty((2 + self.n) * self.n, self.n * cfg.hidden_size))
         self.base = nn.Parameter(torch.empty((2 + self.n) * self.n))
@@ -81,19 +84,10 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(post [T, N], comb [T, N, N], the block's input [T, H])."""
-        n = self.n
         flat = streams.reshape(streams.shape[0], -1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        pre_w, post_w, comb_w = F.linear(flat, self.fn.float()).split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.float().unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        mixed = F.linear(flat, self.fn.float())
+        pre, post, comb = hc_weights(mixed, self.base.float(), self.scale.float(), self.n, self.iters, self.eps)
         return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
     @staticmethod

@@ -257,6 +257,15 @@ def gated_act(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     return ops().gated_act(gate_up, gelu_tanh)
 
 
+def hc_weights(
+    mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A hyper-connection's (pre [T, n], post [T, n], comb [T, n, n]) from its mixing projection
+    [T, (2 + n) n]: sigmoids, a softmax and `iters` Sinkhorn passes (float32)."""
+    pre, post, comb = ops().hc_weights(mixed, base, scale, n, iters, eps)
+    return pre, post, comb
+
+
 def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """logits[rows[i], t] = -inf wherever bit t of bitmask[i] is clear (int32 words, a bit per token)."""
     ops().apply_token_bitmask_(logits, rows, bitmask)

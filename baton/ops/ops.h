@@ -45,6 +45,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
 void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& weight, double eps, double offset);
 void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor gated_act(const torch::Tensor& x, bool gelu_tanh);
+// a hyper-connection's pre [T, n], post [T, n] and doubly stochastic comb [T, n, n] (pointwise.cpp)
+std::vector<torch::Tensor> hc_weights(const torch::Tensor& mixed, const torch::Tensor& base, const torch::Tensor& scale,
+                                      int64_t n, int64_t iters, double eps);
 // down(relu(up(x) + up_bias)^2) + down_bias over packed weights (mlp_layer.cpp): NemotronH's MLP
 torch::Tensor relu2_mlp(const torch::Tensor& x, const torch::Tensor& up, const c10::optional<torch::Tensor>& up_bias,
                         const torch::Tensor& down, const c10::optional<torch::Tensor>& down_bias,

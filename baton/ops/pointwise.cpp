@@ -12,8 +12,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstdlib>
+#include <limits>
+#include <vector>
 
 namespace {
 
@@ -222,4 +223,63 @@ void apply_token_bitmask_(torch::Tensor& logits, const torch::Tensor& rows, cons
         if (!(bits >> b & 1u)) out[w * 32 + b] = neg_inf;
     }
   }
+}
+
+// A hyper-connection's per-token weights (GLM-5.3-Flash) from its mixing projection mixed [T,
+// (2 + n) n] = [pre | post | comb], base [(2 + n) n] and scale [3]: pre = sigmoid + eps, post =
+// 2 sigmoid, comb = softmax over its rows + eps, then made doubly stochastic by `iters` Sinkhorn
+// passes (columns, then rows and columns). Tiny matrices: a loop per token, not ~80 torch ops.
+std::vector<torch::Tensor> hc_weights(const torch::Tensor& mixed, const torch::Tensor& base, const torch::Tensor& scale,
+                                      int64_t n, int64_t iters, double eps_in) {
+  const int64_t width = (2 + n) * n;
+  TORCH_CHECK(n >= 1 && iters >= 1, "hc_weights needs n >= 1 and iters >= 1, got ", n, ", ", iters);
+  TORCH_CHECK(mixed.dim() == 2 && mixed.size(1) == width && mixed.scalar_type() == at::kFloat &&
+                  mixed.is_contiguous() && mixed.device().is_cpu(),
+              "mixed must be contiguous float32 [tokens, ", width, "], got ", mixed.scalar_type(), " ", mixed.sizes());
+  TORCH_CHECK(base.numel() == width && base.scalar_type() == at::kFloat && base.is_contiguous() &&
+                  scale.numel() == 3 && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "base must be float32 [", width, "] and scale float32 [3]");
+  const int64_t t = mixed.size(0);
+  torch::Tensor pre = torch::empty({t, n}, mixed.options()), post = torch::empty({t, n}, mixed.options()),
+                comb = torch::empty({t, n, n}, mixed.options());
+  const float *m = mixed.data_ptr<float>(), *b = base.data_ptr<float>(), *sc = scale.data_ptr<float>();
+  float *pp = pre.data_ptr<float>(), *po = post.data_ptr<float>(), *pc = comb.data_ptr<float>();
+  const float eps = static_cast<float>(eps_in);
+  auto sigmoid = [](float x) { return 1.f / (1.f + std::exp(-x)); };
+  at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = m + r * width;
+      float* c = pc + r * n * n;
+      for (int64_t i = 0; i < n; ++i) {
+        pp[r * n + i] = sigmoid(x[i] * sc[0] + b[i]) + eps;
+        po[r * n + i] = 2.f * sigmoid(x[n + i] * sc[1] + b[n + i]);
+      }
+      for (int64_t i = 0; i < n; ++i) {  // softmax of each row
+        float* row = c + i * n;
+        float top = -std::numeric_limits<float>::infinity(), sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) row[j] = x[2 * n + i * n + j] * sc[2] + b[2 * n + i * n + j];
+        for (int64_t j = 0; j < n; ++j) top = std::max(top, row[j]);
+        for (int64_t j = 0; j < n; ++j) sum += row[j] = std::exp(row[j] - top);
+        for (int64_t j = 0; j < n; ++j) row[j] = row[j] / sum + eps;
+      }
+      auto columns = [&] {
+        std::fill(sums.begin(), sums.end(), 0.f);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < n; ++j) sums[j] += c[i * n + j];
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < n; ++j) c[i * n + j] /= sums[j] + eps;
+      };
+      columns();
+      for (int64_t k = 1; k < iters; ++k) {
+        for (int64_t i = 0; i < n; ++i) {
+          float sum = 0.f;
+          for (int64_t j = 0; j < n; ++j) sum += c[i * n + j];
+          for (int64_t j = 0; j < n; ++j) c[i * n + j] /= sum + eps;
+        }
+        columns();
+      }
+    }
+  });
+  return {pre, post, comb};
 }
