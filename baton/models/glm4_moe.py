@@ -65,13 +65,16 @@ class GlmAttention(Attention):
         return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale).reshape(n, -1))
 
 
-def sparse_moe(cfg: TextModelConfig) -> GroupedSigmoidMoE:
+def sparse_moe(cfg: TextModelConfig, swiglu_limit: float | None = None) -> GroupedSigmoidMoE:
+    """DeepSeek-V3-style experts as GLM-4.5, DeepSeek-V3.2, GLM-5 and GLM-5.3-Flash (which clamps
+    its SwiGLU at `swiglu_limit`) configure them."""
     hf = cfg.hf
     size = int(hf["moe_intermediate_size"])
     return GroupedSigmoidMoE(
         cfg.hidden_size,
         size,
         size * int(hf.get("n_shared_experts") or 0),
+        swiglu_limit=swiglu_limit,
         num_experts=int(hf["n_routed_experts"]),
         top_k=int(hf["num_experts_per_tok"]),
         n_group=int(hf.get("n_group") or 1),

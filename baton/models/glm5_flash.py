@@ -18,12 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.spec import LayerKind
+from baton.models.glm4_moe import sparse_moe
 from baton.models.kimi_linear import KimiDeltaAttention, kda_dims
 from baton.models.layers import RMSNorm
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.mla import MLAttention
 from baton.models.model_config import TextModelConfig
-from baton.models.moe import MLP, GroupedSigmoidMoE
+from baton.models.moe import MLP
+from baton.models.weight_map import Part, PartsWeightMap, kda_parts
 from baton.ops import hc_weights
 
 PREFIX = "model.language_model."
@@ -114,19 +116,7 @@ class FlashDecoderLayer(nn.Module):
             )
         mlp_types = hf.get("mlp_layer_types") or ["dense"] * 3 + ["sparse"] * cfg.num_layers
         if mlp_types[layer_id] == "sparse":
-            size = int(hf["moe_intermediate_size"])
-            self.mlp = GroupedSigmoidMoE(
-                h,
-                size,
-                size * int(hf.get("n_shared_experts") or 0),
-                swiglu_limit=limit,
-                num_experts=int(hf["n_routed_experts"]),
-                top_k=int(hf["num_experts_per_tok"]),
-                n_group=int(hf.get("n_group") or 1),
-                topk_group=int(hf.get("topk_group") or 1),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            )
+            self.mlp = sparse_moe(cfg, limit)
         else:
             self.mlp = MLP(h, cfg.intermediate_size, limit)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
@@ -141,7 +131,7 @@ class FlashDecoderLayer(nn.Module):
         return self.ffn_hc.merge(post, comb, self.mlp(self.post_attention_layernorm(h)), streams)
 
 
-class Glm5FlashForCausalLM(LlamaForCausalLM):
+class Glm5FlashForCausalLM(PartsWeightMap, LlamaForCausalLM):
     """The text model of a Glm5NextForConditionalGeneration checkpoint (module path only: the
     fused decode step has no hyper-connection or pooled-indexer step yet)."""
 
@@ -159,7 +149,6 @@ class Glm5FlashForCausalLM(LlamaForCausalLM):
         self.stage_stream_width = self.hc_mult * cfg.hidden_size  # what a pipeline stage hands on: the streams
         mtp = int(cfg.hf.get("num_nextn_predict_layers") or 0)
         self.skipped_weights = ("model.visual.", *(f"{PREFIX}layers.{cfg.num_layers + i}." for i in range(mtp)))
-        self._weight_map: dict[str, tuple[str, int | None, tuple[int, ...]]] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed(input_ids)  # a later pipeline stage's input: the streams, flat
@@ -181,23 +170,16 @@ class Glm5FlashForCausalLM(LlamaForCausalLM):
     # ---- weights: checkpoint names in, fused parameters out ------------------------------------
     _HC = {"attn_hc.": "hc_attn_", "ffn_hc.": "hc_ffn_"}
 
-    def _hf_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int | None, tuple[int, ...]]]:
+    def _hf_parts(self, name: str, shape: tuple[int, ...]) -> list[Part]:
         """The checkpoint tensors (name, first row in the parameter or None for all of it, shape)
         that parameter `name` is made of."""
         hf = name if name.startswith("lm_head.") else PREFIX + name
         for ours, theirs in self._HC.items():
             hf = hf.replace(ours, theirs)
-        if hf.endswith(".self_attn.in_proj.weight"):
-            rows = self.layers[int(name.split(".")[1])].self_attn.in_rows
-            starts = [sum(list(rows.values())[:i]) for i in range(len(rows))]
-            return [
-                (hf.replace("in_proj", part), start, (r, shape[1])) for (part, r), start in zip(rows.items(), starts)
-            ]
-        if hf.endswith(".self_attn.conv_weight"):
-            c = shape[0] // 3
-            return [
-                (hf.replace("conv_weight", f"{p}_conv1d.weight"), i * c, (c, 1, shape[1])) for i, p in enumerate("qkv")
-            ]
+        attn = getattr(self.layers[int(name.split(".")[1])], "self_attn", None) if name.startswith("layers.") else None
+        kda = kda_parts(hf, shape, getattr(attn, "in_rows", None))
+        if kda is not None:
+            return kda
         if hf.endswith(".gate_up_proj.weight"):
             half = shape[0] // 2
             return [
@@ -205,21 +187,3 @@ class Glm5FlashForCausalLM(LlamaForCausalLM):
                 for i, p in enumerate(("gate_proj", "up_proj"))
             ]
         return [(hf, None, shape)]
-
-    def _weights(self) -> dict[str, tuple[str, int | None, tuple[int, ...]]]:
-        if self._weight_map is None:
-            self._weight_map = {
-                hf: (name, start, shape)
-                for name, p in self.named_parameters()
-                for hf, start, shape in self._hf_parts(name, tuple(p.shape))
-            }
-        return self._weight_map
-
-    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {hf: shape for hf, (_, _, shape) in self._weights().items()}
-
-    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
-        name, start, shape = self._weights()[hf_name]
-        param = self.get_parameter(name).data
-        dst = param if start is None else param[start : start + shape[0]]
-        dst.copy_(tensor.reshape(dst.shape))

@@ -23,6 +23,7 @@ from baton.models.mla import MLAttention
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import MLP, GroupedSigmoidMoE
 from baton.models.recurrent import conv_over_segments, scan_over_segments, segments
+from baton.models.weight_map import PartsWeightMap, kda_parts
 from baton.ops import ops
 
 
@@ -185,7 +186,7 @@ class KimiDecoderLayer(nn.Module):
         return mixer_mlp_blocks(self.input_layernorm, mixer, self.post_attention_layernorm, mlp)
 
 
-class KimiLinearForCausalLM(LlamaForCausalLM):
+class KimiLinearForCausalLM(PartsWeightMap, LlamaForCausalLM):
     """No rotary anywhere (NoPE MLA); decode-only steps as one C++ call (baton/models/fused_decode.py)."""
 
     layer_cls = KimiDecoderLayer
@@ -197,7 +198,6 @@ class KimiLinearForCausalLM(LlamaForCausalLM):
         super().__init__(cfg)
         self.rotary = nn.ModuleDict()
         self.layer_kinds = []
-        self._weight_map: dict[str, tuple[str, int | None, tuple[int, ...]]] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed(input_ids)
@@ -215,17 +215,10 @@ class KimiLinearForCausalLM(LlamaForCausalLM):
         that parameter `name` is made of."""
         hf = name if name.startswith("lm_head.") else f"model.{name}"
         hf = hf.replace(".mlp.", ".block_sparse_moe.")
-        if hf.endswith(".self_attn.in_proj.weight"):
-            rows = self.layers[int(name.split(".")[1])].self_attn.in_rows
-            starts = [sum(list(rows.values())[:i]) for i in range(len(rows))]
-            return [
-                (hf.replace("in_proj", part), start, (r, shape[1])) for (part, r), start in zip(rows.items(), starts)
-            ]
-        if hf.endswith(".self_attn.conv_weight"):
-            c = shape[0] // 3
-            return [
-                (hf.replace("conv_weight", f"{p}_conv1d.weight"), i * c, (c, 1, shape[1])) for i, p in enumerate("qkv")
-            ]
+        attn = getattr(self.layers[int(name.split(".")[1])], "self_attn", None) if name.startswith("layers.") else None
+        kda = kda_parts(hf, shape, getattr(attn, "in_rows", None))
+        if kda is not None:
+            return kda
         if hf.endswith(".self_attn.A_log"):
             return [(hf, None, (1, 1, shape[0], 1))]
         if hf.endswith(".gate_up_proj.weight"):
@@ -236,21 +229,6 @@ class KimiLinearForCausalLM(LlamaForCausalLM):
             return [(hf.replace("down_proj", "w2"), None, shape)]
         return [(hf, None, shape)]
 
-    def _weights(self) -> dict[str, tuple[str, int | None, tuple[int, ...]]]:
-        if self._weight_map is None:
-            self._weight_map = {
-                hf: (name, start, shape)
-                for name, p in self.named_parameters()
-                for hf, start, shape in self._hf_parts(name, tuple(p.shape))
-            }
-        return self._weight_map
-
-    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {hf: shape for hf, (_, _, shape) in self._weights().items()}
-
-    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
+    def _checkpoint_name(self, hf_name: str) -> str:
         # the original checkpoint names its dense MLP(s) `mlp.`; transformers saves `block_sparse_moe.`
-        name, start, shape = self._weights()[hf_name.replace(".mlp.", ".block_sparse_moe.")]
-        param = self.get_parameter(name).data
-        dst = param if start is None else param[start : start + shape[0]]
-        dst.copy_(tensor.reshape(dst.shape))
+        return hf_name.replace(".mlp.", ".block_sparse_moe.")
