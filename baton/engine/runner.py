@@ -60,12 +60,9 @@ class ModelRunner:
             end = s.start + s.num_new_tokens
             pos = np.arange(s.start, end)
             lo = np.zeros_like(pos) if window is None else np.maximum(0, pos - window + 1)
-            if group.kind.is_pooled:  # a token that completes a pool writes the pool's row; others -1
-                pool = group.kind.pool
-                rows = table[pos // bs] * (bs // pool) + pos % bs // pool
-                slot_parts.append(np.where((pos + 1) % pool == 0, rows, -1))
-            else:
-                slot_parts.append(table[pos // bs] * bs + pos % bs)
+            rows = group.cache_rows(table[pos // bs], pos, bs)
+            # a pooled group's row is written by the token that completes its pool; the others: -1
+            slot_parts.append(np.where((pos + 1) % group.kind.pool == 0, rows, -1) if group.kind.is_pooled else rows)
             if s.is_decode:  # a verified draft reads exactly what a decode at its position would
                 for p, first in zip(pos.tolist(), lo.tolist(), strict=True):
                     decode_tables.append(table[: p // bs + 1])

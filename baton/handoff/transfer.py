@@ -17,12 +17,12 @@ from baton.kv.storage import FP8, KVStorage
 def _slots(kv: KVManager, request_id: str, group_id: int, positions: np.ndarray) -> torch.Tensor:
     """The cache rows of `positions` (of a pooled group: of those pools) in the request's blocks."""
     table = np.asarray(kv.block_tables[request_id][group_id], dtype=np.int64)
-    bs, pool = kv.block_size, kv.spec.groups[group_id].kind.pool
-    positions = positions * pool
-    blocks = table[positions // bs]
+    group = kv.spec.groups[group_id]
+    positions = positions * group.kind.pool  # a pooled group's: each pool's first position
+    blocks = table[positions // kv.block_size]
     if (blocks == NULL_BLOCK).any():  # a NULL entry would index the pool's last block: another request's KV
         raise RuntimeError(f"positions of group {group_id} of request {request_id} are no longer held")
-    return torch.from_numpy(blocks * (bs // pool) + positions % bs // pool)
+    return torch.from_numpy(group.cache_rows(blocks, positions, kv.block_size))
 
 
 def held_start(kv: KVManager, request_id: str, group_id: int) -> int:

@@ -51,7 +51,7 @@ class LayerKind:
 
     @property
     def row_dim(self) -> int | None:
-        """An MLA layer's cache row per token: its latent, then its indexer key."""
+        """A one-head layer's cache row: an MLA latent, then its indexer key; a pooled key."""
         return None if self.latent_dim is None else self.latent_dim + self.index_dim
 
     @staticmethod
@@ -110,6 +110,11 @@ class KVGroup:
     def rows_per_block(self, block_size: int) -> int:
         """Cache rows of one block: a row per token, or per pool of tokens."""
         return block_size // self.kind.pool
+
+    def cache_rows(self, blocks, positions, block_size: int):
+        """The cache row of each position in its block (numpy or torch alike): a pooled group's row
+        is its pool's."""
+        return blocks * self.rows_per_block(block_size) + positions % block_size // self.kind.pool
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()

@@ -122,23 +122,25 @@ class PooledIndexer(Indexer):
                     meta.slot_mapping[s.lo + ends],
                     (weights * keys).sum(dim=1)[:, None].to(x.dtype),
                     None,
-                    self.rows_per_block(meta),
+                    self._group(ctx).rows_per_block(meta.block_size),
                 )
             if window is not None:
                 window[s.slot].copy_(rows[rows.shape[0] - window.shape[1] :])
                 for cid in s.checkpoints:
                     checkpoints[cid].copy_(window[s.slot])
 
-    def rows_per_block(self, meta) -> int:
-        return meta.block_size // self.pool
+    def _group(self, ctx):
+        """The KV group of the pooled keys."""
+        spec = ctx.storage.spec
+        return spec.groups[spec.layer_to_group[self.pool_layer][0]]
 
     def _pool_keys(self, ctx, table: torch.Tensor, num_pools: int, dtype: torch.dtype) -> torch.Tensor:
         """Pooled keys [.., num_pools, D] of block_table rows `table` [.., blocks]."""
         cache, meta = ctx.for_layer(self.pool_layer)
+        group, bs = self._group(ctx), meta.block_size
         first = torch.arange(num_pools) * self.pool  # each pool's first position
-        block = table[..., first // meta.block_size]
-        slots = block * self.rows_per_block(meta) + first % meta.block_size // self.pool
-        return cache.read_k(slots.reshape(-1), self.rows_per_block(meta), dtype).view(*slots.shape, self.dim)
+        slots = group.cache_rows(table[..., first // bs], first, bs)
+        return cache.read_k(slots.reshape(-1), group.rows_per_block(bs), dtype).view(*slots.shape, self.dim)
 
     def _top_pools(self, q, w, keys, pos) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(each query's top pools [n, k], which of them are candidates, the complete pools it
