@@ -138,19 +138,21 @@ class MLAttention(nn.Module):
             q[..., self.dn :] = apply_rotary(q[..., self.dn :], *rope)
             k_rot = apply_rotary(k_rot.contiguous(), *rope)
         parts = [self.kv_a_layernorm(ckv[:, : self.rank].contiguous()), k_rot[:, 0]]
+        cache, meta = ctx.for_layer(self.layer_id)  # K: [slots, 1, latent (+ indexer key)]; no V
+        scoring = self.indexer is not None and self._scores(meta)  # else every key is read: no queries
         index = None
         if self.indexer is not None and self.pool == 1:
             parts.append(self.indexer.keys(x, rope if self.rotary else None).to(x.dtype))
-            index = self.indexer.queries(x, q_resid, rope if self.rotary else None)
-        row = torch.cat(parts, dim=-1)
-        cache, meta = ctx.for_layer(self.layer_id)  # K: [slots, 1, latent (+ indexer key)]; no V
-        cache.write(meta.slot_mapping, row[:, None], None, meta.block_size)
+            if scoring:
+                index = self.indexer.queries(x, q_resid, rope if self.rotary else None)
+        cache.write(meta.slot_mapping, torch.cat(parts, dim=-1)[:, None], None, meta.block_size)
         out = torch.empty((n, self.num_heads, self.dv), dtype=x.dtype)
         nd, chosen = meta.num_decodes, ctx.selection
         if isinstance(self.indexer, PooledIndexer):  # selects here, from its own caches
             chosen.clear()
             self.indexer.write_pools(x, ctx)
-            self.indexer.select_rows(ctx, *self.indexer.queries(x, q_resid, None), meta, chosen, x.dtype)
+            if scoring:
+                self.indexer.select_rows(ctx, *self.indexer.queries(x, q_resid, None), meta, chosen, x.dtype)
         if nd:
             out[:nd] = self._decode(
                 q[:nd], cache, meta, None if index is None else (index[0][:nd], index[1][:nd]), chosen
@@ -160,6 +162,12 @@ class MLAttention(nn.Module):
             chunk_index = None if index is None else (index[0][rows], index[1][rows])
             out[rows] = self._prefill(q[rows], meta.slot_mapping[rows], cache, p, meta.block_size, chunk_index, chosen)
         return self.o_proj(out.reshape(n, -1))
+
+    def _scores(self, meta: GroupAttnMetadata) -> bool:
+        """Whether a row of the step sees more than index_topk keys: a decode's context, or a
+        prefill chunk's (its last row's)."""
+        decode = meta.num_decodes and int(meta.decode_kv_lens.max()) > self.topk
+        return bool(decode) or any(int(meta.kv_lens[p.q_end - 1]) > self.topk for p in meta.prefills)
 
     def _latents(self, cache: LayerKV, slots: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
         """Cached latents at `slots` (any shape) as [*slots.shape, R + dr]."""
