@@ -164,7 +164,8 @@ class Glm5FlashForCausalLM(PartsWeightMap, LlamaForCausalLM):
 
     def cache_layers(self, layers: range) -> list[int]:
         """The cache layer ids a pipeline stage of `layers` holds: theirs and their indexers'."""
-        owned = [i for layer in layers if layer in mla_layers(self.cfg.hf) for i in pool_layers(self.cfg.hf, layer)]
+        mla = set(mla_layers(self.cfg.hf))
+        owned = [i for layer in layers if layer in mla for i in pool_layers(self.cfg.hf, layer)]
         return [*layers, *owned]
 
     # ---- weights: checkpoint names in, fused parameters out ------------------------------------

@@ -26,8 +26,8 @@ struct Selection {
 };
 
 // Each decode row's context positions [n, longest] (within its listed blocks) and which are real.
-std::pair<torch::Tensor, torch::Tensor> context(const torch::Tensor& kv_offsets, const torch::Tensor& kv_lens) {
-  const int64_t longest = kv_lens.numel() ? kv_lens.max().item<int64_t>() : 0;
+std::pair<torch::Tensor, torch::Tensor> context(const torch::Tensor& kv_offsets, const torch::Tensor& kv_lens,
+                                                int64_t longest) {
   const torch::Tensor l = torch::arange(longest, kv_lens.options()).unsqueeze(0);
   return {l + kv_offsets.unsqueeze(1), l < kv_lens.unsqueeze(1)};
 }
@@ -165,7 +165,7 @@ class MlaStep : public LayerStep {
     if (sparse && !index_.dim) {  // the selection of the indexer layer before: read only those
       pos = selection_->pos, valid = selection_->valid;
     } else {
-      std::tie(pos, valid) = context(step.kv_offsets[group_], kv_lens);
+      std::tie(pos, valid) = context(step.kv_offsets[group_], kv_lens, longest);
     }
     torch::Tensor rows = cache_.index({slots_of(pos, valid, block_ids, step.block_size)});
     if (sparse && index_.dim) {  // scored over every key: the selected rows

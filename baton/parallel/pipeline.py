@@ -50,11 +50,12 @@ def stage_layers(num_layers: int, count: int, index: int, can_start: Callable[[i
     `can_start` a stage (GLM-5's shared-selection layers read the layer before them)."""
     if num_layers < count:
         raise ValueError(f"{num_layers} layers do not cut into {count} pipeline stages")
+    can_start = can_start or (lambda _: True)
     starts = [even_split(num_layers, count, i).start for i in range(count)] + [num_layers]
     for i in range(1, count):
-        while can_start is not None and not can_start(starts[i]) and starts[i] > starts[i - 1] + 1:
+        while not can_start(starts[i]) and starts[i] > starts[i - 1] + 1:
             starts[i] -= 1
-        if can_start is not None and not can_start(starts[i]):
+        if not can_start(starts[i]):
             raise ValueError(f"no layer between {starts[i - 1] + 1} and {starts[i]} can start pipeline stage {i}")
     return range(starts[index], starts[index + 1])
 
