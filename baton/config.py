@@ -75,9 +75,10 @@ class CacheConfig:
     kv_layout: str = "NHD"
     """Axis order of stored K/V per layer: NHD = [slots, heads, dim], HND = [heads, slots, dim]."""
     state_checkpoint_interval: int | None = None
-    """Recurrent layers: checkpoint the state every this many tokens (a multiple of block_size;
-    default 256 rounded up to one), besides the prompt's last block boundary, a request's end and
-    where requests diverge."""
+    """Recurrent layers: checkpoint the state every this many tokens (a multiple of block_size),
+    besides the prompt's last block boundary, a request's end and where requests diverge; default
+    `kv.spec.checkpoint_interval`: every few blocks for a state small beside its KV, at most 256
+    tokens apart."""
     state_checkpoint_fraction: float = 0.25
     """Recurrent layers: the share of the KV budget (after running requests' state) for checkpoints."""
 
@@ -88,9 +89,6 @@ class CacheConfig:
         if self.kv_cache_dtype in FP8_KV_DTYPES:
             return "float8_e4m3fn"
         return self.kv_cache_dtype or ("float16" if gguf_blocks else model_dtype)
-
-    def checkpoint_interval(self) -> int:
-        return self.state_checkpoint_interval or -(-256 // self.block_size) * self.block_size
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -1,12 +1,13 @@
 """A decode step's attention time at a long context on the GLM-5.3-Flash-shaped random model
 (bench/hybrid_models.py: glm5-flash-100m, index_topk 1,024, index_kpool 16): its MLA layers with
 the pooled indexer (scoring, selection and the attention over what it selects) against the same
-layers with the indexer off (dense MLA over every position), same prompt, same cache.
+layers with the indexer off (dense MLA over every position), same prompt, same cache. Measured
+both in the one-call decode step (its profile's attention part: selection and the absorbed
+attention of every MLA layer) and module by module (the MLA layers' forward, projections included).
 
     python -m bench.dsa_attention [--context 16384] [--steps 16]
 
-Prints the MLA layers' milliseconds per decode step both ways and sparse / dense; the floor the
-issue sets is 0.25."""
+Prints milliseconds per decode step both ways and sparse / dense; the floor the issue sets is 0.25."""
 
 from __future__ import annotations
 
@@ -54,6 +55,22 @@ def timed_decode_ms(llm: LLM, ids: list[int], steps: int) -> list[float]:
     return per_step
 
 
+def fused_attention_ms(llm: LLM, ids: list[int], steps: int) -> float:
+    """The one-call decode step's attention milliseconds per step (mean over `steps`), the context
+    cached first; the decoder is rebuilt for the layers' current indexer settings."""
+    model = llm.engine.model
+    model._fused_for = None
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": ids}], greedy)  # (re)builds the decoder at its decode step
+    decoder = model.fused_decoder
+    decoder.set_profiling(True)
+    before = decoder.steps
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+    seconds = decoder.profile()["attention (KV write, kernel)"]
+    decoder.set_profiling(False)
+    return seconds * 1e3 / (decoder.steps - before)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=16384)
@@ -73,18 +90,27 @@ def main() -> None:
     mla = [m for m in llm.engine.model.modules() if isinstance(m, MLAttention)]
     topk, pool = mla[0].topk, mla[0].pool
     start = time.perf_counter()
-    sparse = timed_decode_ms(llm, ids, args.steps)  # prefills the context, then decodes
+    fused_sparse = fused_attention_ms(llm, ids, args.steps)  # prefills the context, then decodes
     prefill_s = time.perf_counter() - start
+    model = llm.engine.model
+    model.fused_decode = False
+    sparse = timed_decode_ms(llm, ids, args.steps)  # resumes the cached prefix
     indexers = [(m.indexer, m.topk) for m in mla]
     for m in mla:  # the indexer off: every query reads every position
         m.indexer, m.topk = None, None
-    dense = timed_decode_ms(llm, ids, args.steps)  # resumes the cached prefix
+    dense = timed_decode_ms(llm, ids, args.steps)
+    model.fused_decode = True
+    fused_dense = fused_attention_ms(llm, ids, args.steps)
     for m, (indexer, k) in zip(mla, indexers):
         m.indexer, m.topk = indexer, k
     s, d = statistics.median(sparse), statistics.median(dense)
     print(f"glm5-flash-100m, context {args.context}, index_topk {topk}, index_kpool {pool}, {len(mla)} MLA layers")
     print(f"first run (prefill + decode): {prefill_s:.1f} s")
-    print(f"MLA layers per decode step, median of {len(sparse)} / {len(dense)} steps:")
+    print(f"one-call decode step, attention part per step (selection + attention), mean of {args.steps} steps:")
+    print(f"  sparse (pooled indexer): {fused_sparse:8.2f} ms")
+    print(f"  dense (indexer off):     {fused_dense:8.2f} ms")
+    print(f"  sparse / dense:          {fused_sparse / fused_dense:8.3f}   (floor: <= 0.25)")
+    print(f"module path, MLA layers per decode step, median of {len(sparse)} / {len(dense)} steps:")
     print(f"  sparse (pooled indexer): {s:8.2f} ms")
     print(f"  dense (indexer off):     {d:8.2f} ms")
     print(f"  sparse / dense:          {s / d:8.3f}   (floor: <= 0.25)")

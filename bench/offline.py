@@ -1,10 +1,11 @@
 """Offline throughput: baton `LLM.generate` against transformers `generate`, same prompts and weights.
 
 Prints output tokens/s for batch 1 and for 16 prompts at once, and the ratio baton / transformers.
-    python -m bench.offline [--model smollm2-135m] [--max-tokens 64] [--num-prompts 16]
+    python -m bench.offline [--model smollm2-135m] [--max-tokens 64] [--num-prompts 16] [--module-path]
 --model also takes a hybrid family's random model (bench/hybrid_models.py: qwen3-next-100m,
 kimi-linear-100m, nemotron-h-100m, deepseek-v32-100m, glm5-100m, glm5-flash-100m), prompted with
-random token ids.
+random token ids. --module-path decodes module by module (the one-call decode step off), to
+compare.
 """
 
 from __future__ import annotations
@@ -55,14 +56,16 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--module-path", action="store_true", help="decode module by module (fused_decode off)")
     args = ap.parse_args()
+    fused = {"fused_decode": not args.module_path}
     torch.set_num_threads(2)
 
     from transformers import AutoModelForCausalLM
 
     if args.model in FAMILIES:
         path = build(EnvSettings.read().cache_dir, args.model)
-        llm = LLM(str(path), progress=False)
+        llm = LLM(str(path), progress=False, **fused)
         import transformers
 
         arch = getattr(transformers, FAMILIES[args.model][0])  # a multimodal checkpoint's own class (GLM-5.3-Flash)
@@ -71,7 +74,7 @@ def main() -> None:
         prompts = [[rng.randrange(10, 31000) for _ in range(rng.randrange(8, 16))] for _ in range(args.num_prompts)]
         pad = 0
     else:
-        llm = LLM(args.model, progress=False)
+        llm = LLM(args.model, progress=False, **fused)
         tok = llm.get_tokenizer()
         path = resolve_model_path(args.model)
         ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
@@ -80,7 +83,11 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4))  # warm-up
 
-    print(f"model {args.model}, {args.max_tokens} new tokens per prompt, float32, {torch.get_num_threads()} threads")
+    path_name = "module path" if args.module_path else "one-call decode step"
+    print(
+        f"model {args.model}, {args.max_tokens} new tokens per prompt, float32, {torch.get_num_threads()} threads, "
+        f"{path_name}"
+    )
     print(f"{'batch':>6} {'baton tok/s':>12} {'hf tok/s':>10} {'ratio':>7}")
     for batch in (1, args.num_prompts):
         chosen = prompts[:batch]

@@ -9,15 +9,16 @@ import pytest
 
 from baton import LLM, SamplingParams
 from tests.test_dsa import dsa_glm5, dsa_v32  # noqa: F401  (the random model fixtures)
+from tests.test_glm5_flash import flash  # noqa: F401
 from tests.test_kimi_linear import kimi  # noqa: F401
 from tests.test_mtp import glm  # noqa: F401
 from tests.test_nemotron_h import nemotron  # noqa: F401
 from tests.test_recurrent_hybrid import _ids, qwen3_5, qwen3_next  # noqa: F401
 
 FAMILIES = pytest.mark.parametrize(
-    "family", ["qwen3_next", "qwen3_5", "kimi", "nemotron", "glm", "dsa_v32", "dsa_glm5"]
+    "family", ["qwen3_next", "qwen3_5", "kimi", "nemotron", "glm", "dsa_v32", "dsa_glm5", "flash"]
 )
-LATENT_FLOAT32 = ("kimi", "dsa_v32", "dsa_glm5")  # the MLA step reads float32 latent caches only
+LATENT_FLOAT32 = ("kimi", "dsa_v32", "dsa_glm5", "flash")  # the MLA step reads float32 latent caches only
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 
@@ -40,7 +41,9 @@ def _fused_steps(llm: LLM) -> int:
 def test_fused_decode_has_the_bits_of_the_module_path(family, weights, request, monkeypatch):
     """float32, and 4-bit weights beside an fp8 KV cache (an MLA step's latent cache is float32
     only: those q4_0 runs keep it). DeepSeek-V3.2 and GLM-5: rotary MLA, their indexers' top-k
-    (every prompt here is longer than index_topk), GLM-5's shared selections."""
+    (every prompt here is longer than index_topk), GLM-5's shared selections; GLM-5.3-Flash: the
+    pooled indexer (pools completed and checkpointed by decode rows), lower-bounded KDA, clamped
+    SwiGLU and hyper-connections."""
     _, path = request.getfixturevalue(family)
     kv = None if family in LATENT_FLOAT32 else "fp8"
     narrow = {} if weights == "float32" else {"quantization": weights, "kv_cache_dtype": kv}

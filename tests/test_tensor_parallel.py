@@ -274,7 +274,8 @@ def test_parallel_engines_take_free_ports_and_give_them_back(tmp_path):
 def test_sparse_attention_models_at_tp2_and_pp2(tmp_path, family):
     """GLM-5 (its indexer replicated so every rank selects alike; a stage never starts at a layer
     that shares the selection before it) and GLM-5.3-Flash (KDA by heads, the pooled indexer and
-    its caches replicated, the hyper-connection streams crossing the stage boundary)."""
+    its caches replicated, the hyper-connection streams crossing the stage boundary), the fused
+    decode step on every rank and stage."""
     from tests import test_dsa, test_glm5_flash
 
     if family == "glm5":
@@ -285,8 +286,7 @@ def test_sparse_attention_models_at_tp2_and_pp2(tmp_path, family):
         {"prompt_token_ids": torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
         for n in (9, 70, 150)
     ]
-    fused = family == "glm5"  # GLM-5.3-Flash has no fused step yet
-    _same(str(path), ids, fused=fused, block_size=16, max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20)
+    _same(str(path), ids, block_size=16, max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20)
 
 
 class _Factory:

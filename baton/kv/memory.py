@@ -11,7 +11,7 @@ import torch
 
 from baton.config import CacheConfig, SchedulerConfig
 from baton.kv.manager import KVManager
-from baton.kv.spec import KVSpec, size_kv_pools
+from baton.kv.spec import KVSpec, checkpoint_interval, size_kv_pools
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
 from baton.models.model_config import TextModelConfig
@@ -56,7 +56,7 @@ def build_cache_memory(
         cache.enable_prefix_caching,
         sizes.num_state_slots,
         num_checkpoints,
-        cache.checkpoint_interval(),
+        checkpoint_interval(spec, kv_dtype, cache.state_checkpoint_interval),
     )
     max_len = fit_max_model_len(kv, sched, mc.max_position_embeddings)
     memory = CacheMemory(
@@ -128,6 +128,6 @@ def _log(memory: CacheMemory, cache: CacheConfig) -> None:
             kv.num_state_slots,
             kv.checkpoints.num_checkpoints,
             memory.states.nbytes() / 2**20,
-            cache.checkpoint_interval(),
+            kv.checkpoint_interval,
             cache.block_size,
         )

@@ -200,6 +200,27 @@ class PoolSizes:
     num_checkpoints: int  # state checkpoints kept for prefix caching
 
 
+MAX_CHECKPOINT_INTERVAL = 256  # tokens: the sparsest default grid of state checkpoints
+
+
+def checkpoint_interval(spec: KVSpec, dtype: torch.dtype, configured: int | None) -> int:
+    """Tokens between the grid checkpoints of a model's recurrent state: `configured`, else the
+    largest power-of-two number of blocks whose KV takes no more bytes than one checkpoint (laid
+    that often, checkpoints take one to two times the bytes of the KV they save recomputing: a
+    small state is kept at every few blocks, so a prefix two prompts share resumes at its last
+    block from the second prompt on), but at least a block and at most 256 tokens (rounded up to
+    a block) apart."""
+    bs = spec.block_size
+    if configured:
+        return configured
+    longest = -(-MAX_CHECKPOINT_INTERVAL // bs) * bs
+    kv_per_token = sum(g.bytes_per_block(bs, dtype) for g in spec.groups) / bs
+    blocks = 1
+    while (2 * blocks * bs) * kv_per_token <= spec.state_bytes_per_slot() and 2 * blocks * bs <= longest:
+        blocks *= 2
+    return min(blocks * bs, longest)
+
+
 def size_kv_pools(
     spec: KVSpec,
     dtype: torch.dtype,

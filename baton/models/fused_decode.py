@@ -39,6 +39,7 @@ class DecodeBlock:
     pre_norm: RMSNorm
     step: object  # an ops().LayerStep
     post_norm: RMSNorm | None = None
+    hc: object | None = None  # an ops().HyperWeights: the block's hyper-connection (GLM-5.3-Flash)
 
 
 def norm_weights(norm: RMSNorm | None):
@@ -132,9 +133,12 @@ def mixer_mlp_blocks(
     return [DecodeBlock(mixer_norm, mixer, post_mixer_norm), DecodeBlock(mlp_norm, mlp, post_mlp_norm)]
 
 
-def gated_mlp_step(gate_up_proj: torch.nn.Module, down_proj: torch.nn.Module, gelu_tanh: bool):
-    """down(act(gate) * up) as a step (baton/ops/mlp_layer.cpp); None unless both projections run
-    on the packed kernels (a tensor-parallel down_proj: the decoder sums the output itself)."""
+def gated_mlp_step(
+    gate_up_proj: torch.nn.Module, down_proj: torch.nn.Module, gelu_tanh: bool, swiglu_limit: float | None = None
+):
+    """down(act(gate) * up) as a step (baton/ops/mlp_layer.cpp), clamped at `swiglu_limit` where
+    given; None unless both projections run on the packed kernels (a tensor-parallel down_proj:
+    the decoder sums the output itself)."""
     down = unwrapped(down_proj)
     if not isinstance(gate_up_proj, (PackedLinear, StackedLinear)) or not isinstance(down, PackedLinear):
         return None
@@ -145,6 +149,7 @@ def gated_mlp_step(gate_up_proj: torch.nn.Module, down_proj: torch.nn.Module, ge
         intermediate=down.in_features,
         hidden=down.out_features,
         gelu_tanh=gelu_tanh,
+        swiglu_limit=swiglu_limit,
     )
 
 
@@ -153,13 +158,17 @@ class FusedDecoder:
         self, model: torch.nn.Module, blocks: list[DecodeBlock], final_norm: RMSNorm | None, rope_kinds: list[str]
     ) -> None:
         self.rope_kinds = rope_kinds
-        # final_norm None: a pipeline stage before the last, which hands on the residual stream
-        self._decoder = ops().FusedDecoder(hidden=model.cfg.hidden_size, final_norm=norm_weights(final_norm))
+        # final_norm None: a pipeline stage before the last, which hands on the residual stream;
+        # hc_mult: hyper-connections over that many streams (GLM-5.3-Flash)
+        self._decoder = ops().FusedDecoder(
+            hidden=model.cfg.hidden_size, final_norm=norm_weights(final_norm), streams=getattr(model, "hc_mult", 0)
+        )
         tp = getattr(model, "tp", None)
         if tp is not None and tp.size > 1:  # every block's output is this rank's partial sum
             self._decoder.set_all_reduce(tp.all_reduce)
         for b in blocks:
-            self._decoder.add_block(norm_weights(b.pre_norm), b.step, norm_weights(b.post_norm))
+            hc = ops().HyperWeights() if b.hc is None else b.hc
+            self._decoder.add_block(norm_weights(b.pre_norm), b.step, norm_weights(b.post_norm), hc)
         self.steps = 0
 
     @classmethod

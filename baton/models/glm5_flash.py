@@ -14,19 +14,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.spec import LayerKind
+from baton.models.fused_decode import DecodeBlock, StepBinding
 from baton.models.glm4_moe import sparse_moe
 from baton.models.kimi_linear import KimiDeltaAttention, kda_dims
-from baton.models.layers import RMSNorm
+from baton.models.layers import PackedLinear, RMSNorm, unwrapped
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.mla import MLAttention
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import MLP
 from baton.models.weight_map import Part, PartsWeightMap, kda_parts
-from baton.ops import hc_weights
+from baton.ops import hc_weights, ops
 
 PREFIX = "model.language_model."
 
@@ -80,7 +80,9 @@ class HyperConnection(nn.Module):
         if self.n < 1 or self.iters < 1:
             raise ValueError(f"hc_mult and hc_sinkhorn_iters must be >= 1, got {self.n} and {self.iters}")
         self.norm_eps = cfg.rms_norm_eps
-        self.fn = nn.Parameter(torch.empty((2 + self.n) * self.n, self.n * cfg.hidden_size))
+        # a linear, so that it runs on the packed kernels: a row's bits then do not depend on the batch
+        self.fn = nn.Linear(self.n * cfg.hidden_size, (2 + self.n) * self.n, bias=False)
+        self.fn.keep_float = True  # feeds a Sinkhorn normalisation: never quantized
         self.base = nn.Parameter(torch.empty((2 + self.n) * self.n))
         self.scale = nn.Parameter(torch.empty(3))
 
@@ -88,9 +90,23 @@ class HyperConnection(nn.Module):
         """(post [T, N], comb [T, N, N], the block's input [T, H])."""
         flat = streams.reshape(streams.shape[0], -1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        mixed = F.linear(flat, self.fn.float())
+        mixed = self.fn(flat.to(streams.dtype)).float()
         pre, post, comb = hc_weights(mixed, self.base.float(), self.scale.float(), self.n, self.iters, self.eps)
         return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+    def step_weights(self):
+        """This hyper-connection as the fused decoder's blocks take it (ops().HyperWeights); None
+        off the packed kernels."""
+        if not isinstance(self.fn, PackedLinear):
+            return None
+        return ops().HyperWeights(
+            fn=self.fn.packed,
+            base=self.base.float().contiguous(),
+            scale=self.scale.float().contiguous(),
+            iters=self.iters,
+            eps=self.eps,
+            norm_eps=self.norm_eps,
+        )
 
     @staticmethod
     def merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
@@ -124,6 +140,18 @@ class FlashDecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(cfg)
         self.ffn_hc = HyperConnection(cfg)
 
+    def decode_blocks(self, binding: StepBinding) -> list[DecodeBlock] | None:
+        """forward's blocks for the fused decoder (each with its hyper-connection), or None where a
+        step cannot run there."""
+        mixer, mlp = self.self_attn.decode_step(binding), unwrapped(self.mlp).decode_step(binding)
+        attn_hc, ffn_hc = self.attn_hc.step_weights(), self.ffn_hc.step_weights()
+        if mixer is None or mlp is None or attn_hc is None or ffn_hc is None:
+            return None
+        return [
+            DecodeBlock(self.input_layernorm, mixer, hc=attn_hc),
+            DecodeBlock(self.post_attention_layernorm, mlp, hc=ffn_hc),
+        ]
+
     def forward(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         post, comb, h = self.attn_hc(streams)
         streams = self.attn_hc.merge(post, comb, self.self_attn(self.input_layernorm(h), ctx), streams)
@@ -132,8 +160,8 @@ class FlashDecoderLayer(nn.Module):
 
 
 class Glm5FlashForCausalLM(PartsWeightMap, LlamaForCausalLM):
-    """The text model of a Glm5NextForConditionalGeneration checkpoint (module path only: the
-    fused decode step has no hyper-connection or pooled-indexer step yet)."""
+    """The text model of a Glm5NextForConditionalGeneration checkpoint; its decode steps run as
+    one call (FusedDecoding) over the layers' blocks and their hyper-connections."""
 
     layer_cls = FlashDecoderLayer
     layer_kinds_from = staticmethod(layer_kinds)
@@ -144,7 +172,6 @@ class Glm5FlashForCausalLM(PartsWeightMap, LlamaForCausalLM):
         super().__init__(cfg)
         self.rotary = nn.ModuleDict()  # NoPE everywhere
         self.layer_kinds = []
-        self.fused_decode = False
         self.hc_mult = int(cfg.hf.get("hc_mult", 4))
         self.stage_stream_width = self.hc_mult * cfg.hidden_size  # what a pipeline stage hands on: the streams
         mtp = int(cfg.hf.get("num_nextn_predict_layers") or 0)
@@ -152,6 +179,9 @@ class Glm5FlashForCausalLM(PartsWeightMap, LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed(input_ids)  # a later pipeline stage's input: the streams, flat
+        one_token_rows = ctx.state_meta is None or all(s.q_end - s.q_start == 1 for s in ctx.state_meta.seqs)
+        if ctx.decode_only and one_token_rows and self._fused_decoder_for(ctx.storage, ctx.states) is not None:
+            return self.fused_decoder(x, {}, ctx)
         n, h = x.shape[0], self.cfg.hidden_size
         streams = (
             x.view(n, self.hc_mult, h) if x.shape[1] != h else x[:, None].expand(-1, self.hc_mult, -1).contiguous()
@@ -177,6 +207,8 @@ class Glm5FlashForCausalLM(PartsWeightMap, LlamaForCausalLM):
         hf = name if name.startswith("lm_head.") else PREFIX + name
         for ours, theirs in self._HC.items():
             hf = hf.replace(ours, theirs)
+        if hf.endswith(("hc_attn_fn.weight", "hc_ffn_fn.weight", "index_kpool_compress_gate.weight")):
+            hf = hf.removesuffix(".weight")  # plain tensors there, linears here
         attn = getattr(self.layers[int(name.split(".")[1])], "self_attn", None) if name.startswith("layers.") else None
         kda = kda_parts(hf, shape, getattr(attn, "in_rows", None))
         if kda is not None:

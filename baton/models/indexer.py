@@ -10,7 +10,6 @@ is skipped there)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.models.model_config import TextModelConfig
@@ -101,12 +100,14 @@ class PooledIndexer(Indexer):
             raise ValueError(f"index_kpool must be in [1, index_topk={self.topk}], got {self.pool}")
         self.pool_layer, self.window_layer = pool_layer, window_layer
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.pool, self.dim))
-        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(self.dim, cfg.hidden_size))
+        # a linear, so that it runs on the packed kernels: a row's bits then do not depend on the batch
+        self.index_kpool_compress_gate = nn.Linear(cfg.hidden_size, self.dim, bias=False)
+        self.index_kpool_compress_gate.keep_float = True  # pooling logits: never quantized
 
     def write_pools(self, x: torch.Tensor, ctx) -> None:
         """Each pool a row of x completes, written to its row of the pooled cache; the window of
         each request's last kpool - 1 raw rows moved on (its checkpoints recorded)."""
-        raw = torch.cat((self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)), dim=-1).float()
+        raw = torch.cat((self.k_norm(self.wk(x)), self.index_kpool_compress_gate(x)), dim=-1).float()
         cache, meta = ctx.for_layer(self.pool_layer)
         window = checkpoints = None
         if self.pool > 1:

@@ -128,8 +128,15 @@ class KimiDeltaAttention(nn.Module):
         """This layer as a fused decoder's step (baton/ops/kda_layer.cpp); None without
         recurrent state or with a projection off the packed kernels."""
         o_proj = unwrapped(self.o_proj)
-        if binding.states is None or self.lower_bound is not None or not packed_only(self, o_proj):
+        if binding.states is None or not packed_only(self, o_proj):
             return None
+        # forward's A_log.float().exp() (negated without a lower bound): the same op on the same [h], once
+        exp_a = self.A_log.float().exp()
+        decay = (
+            {"neg_exp_a": (-exp_a).contiguous()}
+            if self.lower_bound is None
+            else {"exp_a": exp_a.contiguous(), "lower_bound": self.lower_bound}
+        )
         return ops().KdaStep(
             heads=self.heads,
             head_dim=self.dim,
@@ -141,8 +148,7 @@ class KimiDeltaAttention(nn.Module):
             f_b=self.f_b_proj.packed,
             g_b=self.g_b_proj.packed,
             dt_bias=self.dt_bias.float().contiguous(),
-            # forward's -A_log.float().exp(): the same op on the same [h], once
-            neg_exp_a=(-self.A_log.float().exp()).contiguous(),
+            **decay,
             o_norm=self.o_norm.weight.float().contiguous(),
             norm_eps=self.eps,
             **state_args(binding, self.layer_id),

@@ -126,8 +126,9 @@ def pack_linears(
 ) -> None:
     """Swap every nn.Linear of a loaded float32 model for a PackedLinear (the dense weight is freed):
     over `block_weights[name + ".weight"]` where the checkpoint shipped the weight in GGUF blocks,
-    else quantized into `quantization` (a GGUF format such as q4_k) where its input width allows,
-    else float32 panels. Blocks are regrouped by 8 rows for the integer kernels when one is in use.
+    else quantized into `quantization` (a GGUF format such as q4_k) where its input width allows
+    and the linear is not marked `keep_float` (a tiny, precision-bound mix), else float32 panels.
+    Blocks are regrouped by 8 rows for the integer kernels when one is in use.
     All panels live in one arena on transparent huge pages: a decode step streams every weight, and
     with 4 KiB pages that is a TLB miss every 4 KiB (1 row: 3%, 8 rows: 9% faster, A/B)."""
     block_weights = block_weights or {}
@@ -140,7 +141,7 @@ def pack_linears(
     blocks: dict[str, BlockWeight] = {}
     for _, _, child, full in linears:
         weight = block_weights.get(f"{full}.weight")
-        if weight is None and quantization is not None:
+        if weight is None and quantization is not None and not getattr(child, "keep_float", False):
             weight = quantize_weight(child.weight, quantization, getattr(child, "k_slice", None))
         if weight is not None:
             blocks[full] = weight

@@ -88,14 +88,17 @@ class MLAttention(nn.Module):
     def decode_step(self, binding: StepBinding):
         """This attention as a fused decoder's step for decode rows (baton/ops/mla_layer.cpp); None
         unless its projections run on the packed kernels, kv_b_proj's weight (the absorbed
-        einsum's very operand, never packed) is float32 and the latent cache is float32 (and none
-        yet for a pooled indexer)."""
+        einsum's very operand, never packed) is float32 and the latent cache is float32 (a pooled
+        indexer's: its pooled-key cache and its compression weights too)."""
         o_proj = unwrapped(self.o_proj)
         lora = not hasattr(self, "q_proj")
         cache = binding.storage.layer_kv(self.layer_id).k
-        if self.pool > 1 or not packed_only(self, o_proj) or not plain_float32(self.kv_b_proj.weight, cache):
+        if not packed_only(self, o_proj) or not plain_float32(self.kv_b_proj.weight, cache):
             return None
         index = self.indexer
+        pooled = pooled_indexer_args(index, binding) if isinstance(index, PooledIndexer) else {}
+        if pooled is None:
+            return None
         return ops().MlaStep(
             heads=self.num_heads,
             kv_lora_rank=self.rank,
@@ -118,6 +121,7 @@ class MLAttention(nn.Module):
             kv_b=self.kv_b_proj.weight,
             **linear_args("o_proj", o_proj),
             **({} if index is None else indexer_args(index)),
+            **pooled,
             k_cache=cache,
             group=binding.kv_group(self.layer_id),
         )
@@ -286,6 +290,28 @@ def indexer_args(index: Indexer) -> dict:
         "index_k_norm": index.k_norm.weight,
         "index_k_norm_bias": index.k_norm.bias,
         "index_k_norm_eps": index.k_norm.eps,
+    }
+
+
+def pooled_indexer_args(index: PooledIndexer, binding: StepBinding) -> dict | None:
+    """A pooled indexer's further arguments to the MLA step: its compression weights, its pooled-key
+    cache and group, the open pool's window state; None where the cache or ape is not float32 or
+    (a pool of more than one token) there is no state storage (packed_only checked the gate)."""
+    pool_cache = binding.storage.layer_kv(index.pool_layer).k
+    ape = index.index_kpool_compress_ape
+    if not plain_float32(pool_cache, ape) or (index.pool > 1 and binding.states is None):
+        return None
+    window = {}
+    if index.pool > 1:
+        (state,), (checkpoints,) = binding.states.layer(index.window_layer)
+        window = {"window_state": state, "window_checkpoints": checkpoints}
+    return {
+        "index_pool": index.pool,
+        "index_gate": index.index_kpool_compress_gate.packed,
+        "index_ape": ape.contiguous(),
+        "pool_cache": pool_cache,
+        "pool_group": binding.kv_group(index.pool_layer),
+        **window,
     }
 
 

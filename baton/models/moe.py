@@ -31,11 +31,8 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit))
 
     def decode_step(self, binding: StepBinding):
-        """This MLP as a fused decoder's step; None unless its projections run on the packed kernels
-        (and none with a clamp, which the step lacks)."""
-        if self.swiglu_limit is not None:
-            return None
-        return gated_mlp_step(self.gate_up_proj, self.down_proj, False)
+        """This MLP as a fused decoder's step; None unless its projections run on the packed kernels."""
+        return gated_mlp_step(self.gate_up_proj, self.down_proj, False, self.swiglu_limit)
 
 
 def dense_mlp(hidden_size: int, intermediate_size: int) -> MLP:
@@ -212,10 +209,12 @@ class GroupedSigmoidMoE(nn.Module):
         """This MoE as a fused decoder's step (baton/ops/moe_layer.cpp); None unless its experts run
         on the packed kernels and the router's weight is plain float32."""
         gate = self.gate
-        if self.swiglu_limit is not None:
-            return None
         if not packed_only(self.experts, *([self.shared_experts] if self.shared_experts is not None else [])):
             return None
         if not plain_float32(gate.weight):
             return None
-        return ops().MoeStep(**gate.step_arguments(), **expert_arguments(self.experts, self.shared_experts))
+        return ops().MoeStep(
+            **gate.step_arguments(),
+            **expert_arguments(self.experts, self.shared_experts),
+            swiglu_limit=self.swiglu_limit,
+        )

@@ -28,16 +28,27 @@ torch::Tensor norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& r
 
 }  // namespace
 
-FusedDecoder::FusedDecoder(int64_t hidden, NormWeights final_norm) : hidden_(hidden), final_norm_(std::move(final_norm)) {
-  TORCH_CHECK(hidden_ >= 1, "hidden must be positive, got ", hidden_);
+FusedDecoder::FusedDecoder(int64_t hidden, NormWeights final_norm, int64_t streams)
+    : hidden_(hidden), streams_(streams), final_norm_(std::move(final_norm)) {
+  TORCH_CHECK(hidden_ >= 1 && streams_ >= 0, "hidden must be positive and streams not negative, got ", hidden_,
+              ", ", streams_);
   check_norm(final_norm_, hidden_, "final_norm");
 }
 
-void FusedDecoder::add_block(NormWeights pre_norm, std::shared_ptr<LayerStep> step, NormWeights post_norm) {
+void FusedDecoder::add_block(NormWeights pre_norm, std::shared_ptr<LayerStep> step, NormWeights post_norm,
+                             HyperWeights hc) {
   TORCH_CHECK(step != nullptr, "a block needs a layer step");
   TORCH_CHECK(pre_norm.weight.defined(), "a block needs its pre-norm");
   check_norm(pre_norm, hidden_, "pre_norm");
   check_norm(post_norm, hidden_, "post_norm");
+  TORCH_CHECK(hc.fn.defined() == (streams_ > 0), "a block has a hyper-connection iff the decoder has streams");
+  if (hc.fn.defined()) {
+    const int64_t k = streams_, width = (2 + k) * k;
+    check_packed(hc.fn, k * hidden_, width, "hc fn");
+    check_vector(hc.base, width, "hc base");
+    check_vector(hc.scale, 3, "hc scale");
+    TORCH_CHECK(hc.iters >= 1, "hc iters must be positive, got ", hc.iters);
+  }
   const StepNeeds needs = step->needs();
   std::lock_guard<std::mutex> lock(mu_);
   if (needs.rope >= 0) {
@@ -51,11 +62,20 @@ void FusedDecoder::add_block(NormWeights pre_norm, std::shared_ptr<LayerStep> st
       group_slots_.resize(needs.kv_group + 1, std::numeric_limits<int64_t>::max());
     group_slots_[needs.kv_group] = std::min(group_slots_[needs.kv_group], needs.kv_slots);
   }
+  if (needs.pool_group >= 0) {
+    const size_t g = needs.pool_group;
+    if (g >= group_slots_.size()) group_slots_.resize(g + 1, std::numeric_limits<int64_t>::max());
+    if (g >= group_pools_.size()) group_pools_.resize(g + 1, 1);
+    TORCH_CHECK(group_pools_[g] == 1 || group_pools_[g] == needs.pool, "group ", g, " is read with pools of ",
+                group_pools_[g], " and ", needs.pool, " tokens");
+    group_slots_[g] = std::min(group_slots_[g], needs.pool_rows);
+    group_pools_[g] = needs.pool;
+  }
   if (needs.state_slots > 0) {
     state_slots_ = state_slots_ == 0 ? needs.state_slots : std::min(state_slots_, needs.state_slots);
     checkpoints_ = checkpoints_ == 0 ? needs.checkpoints : std::min(checkpoints_, needs.checkpoints);
   }
-  blocks_.push_back({std::move(pre_norm), std::move(step), std::move(post_norm)});
+  blocks_.push_back({std::move(pre_norm), std::move(step), std::move(post_norm), std::move(hc)});
 }
 
 torch::Tensor FusedDecoder::forward(const torch::Tensor& x_in, const std::vector<torch::Tensor>& cos,
@@ -82,8 +102,9 @@ torch::Tensor FusedDecoder::forward(const torch::Tensor& x_in, const std::vector
                        snapshot_offsets,
                        snapshot_ids};
   check_step(x_in, step);
-  torch::Tensor residual = x_in.contiguous().clone(), pending;
   StepStopwatch watch(profiling_ ? seconds_.data() : nullptr);
+  if (streams_ > 0) return run_streams(x_in, step, watch);
+  torch::Tensor residual = x_in.contiguous().clone(), pending;
   for (size_t i = 0; i < blocks_.size(); ++i) {
     Block& b = blocks_[i];
     const torch::Tensor h = i == 0 ? norm(residual, c10::nullopt, b.pre_norm) : norm(pending, residual, b.pre_norm);
@@ -106,11 +127,37 @@ torch::Tensor FusedDecoder::forward(const torch::Tensor& x_in, const std::vector
   return out;
 }
 
+torch::Tensor FusedDecoder::run_streams(const torch::Tensor& x, const StepBatch& step, StepStopwatch& watch) {
+  const int64_t n = x.size(0), k = streams_;
+  torch::Tensor streams = x.size(1) == hidden_ ? x.unsqueeze(1).expand({n, k, hidden_}).contiguous()
+                                               : x.contiguous().view({n, k, hidden_});
+  for (Block& b : blocks_) {
+    const HyperWeights& hc = b.hc;
+    torch::Tensor flat = streams.reshape({n, -1});
+    flat = flat * torch::rsqrt(flat.square().mean(-1, true) + hc.norm_eps);
+    const std::vector<torch::Tensor> w = hc_weights(packed_linear(flat, hc.fn, c10::nullopt, (2 + k) * k), hc.base, hc.scale, k, hc.iters, hc.eps);
+    const torch::Tensor h = norm((w[0].unsqueeze(-1) * streams).sum(1), c10::nullopt, b.pre_norm);
+    watch.lap(StepPart::kNorms);
+    torch::Tensor out = b.step->run(h, step, watch);
+    all_reduce_(out);
+    watch.lap(StepPart::kAllReduce);
+    if (b.post_norm.weight.defined()) out = norm(out, c10::nullopt, b.post_norm);
+    streams = w[1].unsqueeze(-1) * out.unsqueeze(-2) + at::matmul(w[2].transpose(-1, -2), streams);
+    watch.lap(StepPart::kNorms);
+  }
+  if (!final_norm_.weight.defined()) return streams.reshape({n, -1});
+  torch::Tensor out = norm(streams.mean(1), c10::nullopt, final_norm_);
+  watch.lap(StepPart::kNorms);
+  return out;
+}
+
 // Everything a step reads is checked before its first block runs, so that bad metadata is an error
 // before any KV or state is written, and each layer's attention skips the per-call context check.
 void FusedDecoder::check_step(const torch::Tensor& x, const StepBatch& step) const {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "x must be float32 [rows, hidden=", hidden_, "] on the CPU, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.dim() == 2 && (x.size(1) == hidden_ || (streams_ > 0 && x.size(1) == streams_ * hidden_)) &&
+                  x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "x must be float32 [rows, hidden=", hidden_, "] (or [rows, ", streams_, " streams * hidden]) on the CPU, got ",
+              x.scalar_type(), " ", x.sizes());
   const int64_t n = step.rows;
   TORCH_CHECK(step.cos.size() == step.sin.size(), "one cos per sin");
   TORCH_CHECK(step.cos.size() >= rope_dims_.size(), "the layers read ", rope_dims_.size(), " rope kinds, ",
@@ -125,7 +172,8 @@ void FusedDecoder::check_step(const torch::Tensor& x, const StepBatch& step) con
   }
   TORCH_CHECK(step.slot_mapping.size() >= group_slots_.size(), "the layers read ", group_slots_.size(),
               " KV groups, ", step.slot_mapping.size(), " were given");
-  check_kv_step(n, step.slot_mapping, step.block_ids, step.kv_offsets, step.kv_lens, step.block_size, group_slots_);
+  check_kv_step(n, step.slot_mapping, step.block_ids, step.kv_offsets, step.kv_lens, step.block_size, group_slots_,
+                group_pools_);
   if (state_slots_ > 0)
     check_state_step(n, step.state_slots, state_slots_, step.snapshot_rows, step.snapshot_offsets, step.snapshot_ids,
                      checkpoints_);
@@ -159,10 +207,17 @@ void bind_fused_decoder(pybind11::module_& m) {
       .def(py::init([](torch::Tensor weight, double eps, double offset) { return NormWeights{weight, eps, offset}; }),
            py::arg("weight"), py::arg("eps"), py::arg("offset") = 0.0)
       .def(py::init<>());
+  py::class_<HyperWeights>(m, "HyperWeights")
+      .def(py::init([](torch::Tensor fn, torch::Tensor base, torch::Tensor scale, int64_t iters, double eps,
+                       double norm_eps) { return HyperWeights{fn, base, scale, iters, eps, norm_eps}; }),
+           py::arg("fn"), py::arg("base"), py::arg("scale"), py::arg("iters"), py::arg("eps"), py::arg("norm_eps"))
+      .def(py::init<>());
   py::class_<LayerStep, std::shared_ptr<LayerStep>>(m, "LayerStep");
   py::class_<FusedDecoder>(m, "FusedDecoder")
-      .def(py::init<int64_t, NormWeights>(), py::arg("hidden"), py::arg("final_norm"))
-      .def("add_block", &FusedDecoder::add_block, py::arg("pre_norm"), py::arg("step"), py::arg("post_norm"), release())
+      .def(py::init<int64_t, NormWeights, int64_t>(), py::arg("hidden"), py::arg("final_norm"),
+           py::arg("streams") = 0)
+      .def("add_block", &FusedDecoder::add_block, py::arg("pre_norm"), py::arg("step"), py::arg("post_norm"),
+           py::arg("hc") = HyperWeights{}, release())
       .def("forward", &FusedDecoder::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
            py::arg("block_ids"), py::arg("kv_offsets"), py::arg("kv_lens"), py::arg("block_size"),
            py::arg("state_slots") = std::vector<int64_t>{}, py::arg("snapshot_rows") = std::vector<int64_t>{},

@@ -7,7 +7,9 @@
 //
 // Block b of a step: h = pre_norm(residual += pending) (the first block: pre_norm(residual)),
 // pending = post_norm(all_reduce(step(h))); after the last block the final norm of residual +=
-// pending, or (a pipeline stage before the last) the stream itself.
+// pending, or (a pipeline stage before the last) the stream itself. With hyper-connections
+// (GLM-5.3-Flash) the residual is `streams` copies [rows, streams, hidden] that each block's
+// HyperWeights collapse into its input and mix with its output; the final norm reads their mean.
 #include "all_reduce_hook.h"
 
 #include <torch/types.h>
@@ -64,6 +66,8 @@ struct StepNeeds {
   int64_t rope = -1, rope_dim = 0;      // the rope kind it reads and its cos/sin width; -1: none
   int64_t kv_group = -1, kv_slots = 0;  // the KV group it writes and reads, its cache's slots; -1: none
   int64_t state_slots = 0, checkpoints = 0;  // a recurrent layer's state slots and checkpoints; 0: none
+  // a pooled indexer's group (a row per `pool` tokens), its cache's rows; -1: none
+  int64_t pool_group = -1, pool_rows = 0, pool = 1;
 };
 
 // A mixer or an MLP of one layer, with its weights (checked when built). run: [rows, hidden] in,
@@ -83,15 +87,26 @@ struct NormWeights {
   double eps = 1e-6, offset = 0.0;
 };
 
+// A block's hyper-connection (baton/models/glm5_flash.py, HyperConnection): from the RMS-normed
+// streams (norm_eps), fn (packed [(2 + n) n, n hidden]) mixes each row's pre / post / comb
+// weights (hc_weights with base, scale, iters and eps); fn undefined: none
+struct HyperWeights {
+  torch::Tensor fn, base, scale;
+  int64_t iters = 1;
+  double eps = 1e-6, norm_eps = 1e-6;
+};
+
 // forward runs without the GIL: mu_ keeps calls from two Python threads apart, as the GIL did.
 class FusedDecoder {
  public:
-  // final_norm undefined: a pipeline stage before the last, which hands on the residual stream
-  FusedDecoder(int64_t hidden, NormWeights final_norm);
+  // final_norm undefined: a pipeline stage before the last, which hands on the residual stream;
+  // streams > 0: hyper-connections over that many streams, every block with its HyperWeights
+  FusedDecoder(int64_t hidden, NormWeights final_norm, int64_t streams = 0);
 
-  void add_block(NormWeights pre_norm, std::shared_ptr<LayerStep> step, NormWeights post_norm);
-  // x: the embedded tokens [rows, hidden], one decode token per row; the rest as StepBatch says.
-  // Returns the final-normed hidden (or the stream).
+  void add_block(NormWeights pre_norm, std::shared_ptr<LayerStep> step, NormWeights post_norm, HyperWeights hc);
+  // x: the embedded tokens [rows, hidden] (a later pipeline stage's: the streams [rows, streams *
+  // hidden]), one decode token per row; the rest as StepBatch says. Returns the final-normed
+  // hidden (or the stream, flat).
   torch::Tensor forward(const torch::Tensor& x, const std::vector<torch::Tensor>& cos,
                         const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& slot_mapping,
                         const std::vector<torch::Tensor>& block_ids, const std::vector<torch::Tensor>& kv_offsets,
@@ -110,15 +125,19 @@ class FusedDecoder {
     NormWeights pre_norm;
     std::shared_ptr<LayerStep> step;
     NormWeights post_norm;
+    HyperWeights hc;
   };
   void check_step(const torch::Tensor& x, const StepBatch& step) const;
+  // the blocks over the hyper-connection streams (streams_ > 0)
+  torch::Tensor run_streams(const torch::Tensor& x, const StepBatch& step, StepStopwatch& watch);
 
-  int64_t hidden_;
+  int64_t hidden_, streams_;
   NormWeights final_norm_;
   std::vector<Block> blocks_;
   // the step metadata the blocks need: per rope kind its width, per KV group its fewest slots
-  // (int64 max where no layer reads it), the fewest state slots and checkpoints (0: no state)
-  std::vector<int64_t> rope_dims_, group_slots_;
+  // (int64 max where no layer reads it) and tokens per row, the fewest state slots and
+  // checkpoints (0: no state)
+  std::vector<int64_t> rope_dims_, group_slots_, group_pools_;
   int64_t state_slots_ = 0, checkpoints_ = 0;
   AllReduceHook all_reduce_;
   bool profiling_ = false;

@@ -22,10 +22,10 @@ struct KdaShape {
 };
 
 // KimiDeltaAttention.forward for one token per row. After the conv: l2norm of q and k, the
-// per-channel decay and beta, the delta-rule step of each row over its slot's state [h, d, d],
-// the RMS norm and the sigmoid output gate, run as forward's very ATen ops on the same views
-// (their rounding is then torch's by construction), the delta rule with recurrent_scan_'s
-// arithmetic.
+// per-channel decay (with a lower bound: lower_bound * sigmoid(exp(A_log) * raw)) and beta, the
+// delta-rule step of each row over its slot's state [h, d, d], the RMS norm and the sigmoid output
+// gate, run as forward's very ATen ops on the same views (their rounding is then torch's by
+// construction), the delta rule with recurrent_scan_'s arithmetic.
 class KdaStep : public RecurrentStep {
  public:
   explicit KdaStep(StepArgs& a) : s_{a.integer("heads"), a.integer("head_dim"), a.integer("conv_kernel")} {
@@ -37,7 +37,12 @@ class KdaStep : public RecurrentStep {
     f_b_ = a.linear("f_b", s_.d, hd);
     g_b_ = a.linear("g_b", s_.d, hd);
     dt_bias_ = a.vector("dt_bias", hd);
-    neg_exp_a_ = a.vector("neg_exp_a", s_.h);
+    if (a.has("lower_bound")) {  // GLM-5.3-Flash's safe gate
+      lower_bound_ = a.real("lower_bound");
+      exp_a_ = a.vector("exp_a", s_.h);
+    } else {
+      neg_exp_a_ = a.vector("neg_exp_a", s_.h);
+    }
     o_norm_ = a.vector("o_norm", s_.d);
     eps_ = a.real("norm_eps");
   }
@@ -51,7 +56,8 @@ class KdaStep : public RecurrentStep {
     const auto l2norm = [](const torch::Tensor& x) { return x / torch::sqrt((x * x).sum(-1, true) + 1e-6); };
     const torch::Tensor q = l2norm(qkv[0]) * std::pow(static_cast<double>(d), -0.5), k = l2norm(qkv[1]);
     const torch::Tensor raw = f_b_(parts[1].contiguous()).view({n, h, d}) + dt_bias_.view({h, d});
-    const torch::Tensor decay = neg_exp_a_.unsqueeze(1) * at::softplus(raw);
+    const torch::Tensor decay = exp_a_.defined() ? torch::sigmoid(exp_a_.unsqueeze(1) * raw) * lower_bound_
+                                                 : neg_exp_a_.unsqueeze(1) * at::softplus(raw);
     torch::Tensor out = recurrent_step_(q, k, qkv[2], decay, parts[3].sigmoid(), state_.rec, step.state_slots);
     const torch::Tensor gate = g_b_(parts[2].contiguous()).view({n, h, d});
     out = out * torch::rsqrt(out.pow(2).mean(-1, true) + eps_) * o_norm_;
@@ -62,6 +68,8 @@ class KdaStep : public RecurrentStep {
   StepLinear f_b_, g_b_;   // f_b_proj, g_b_proj [hd, d]
   torch::Tensor dt_bias_;  // [hd]
   torch::Tensor neg_exp_a_;  // [h]: -exp(A_log)
+  torch::Tensor exp_a_;      // [h]: exp(A_log), with a lower bound (the decay lower_bound * sigmoid(exp_a * raw))
+  double lower_bound_ = 0.0;
   torch::Tensor o_norm_;   // [d]
   double eps_ = 1e-6;
 };

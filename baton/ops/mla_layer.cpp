@@ -3,7 +3,8 @@
 // on q's and kr's rope channels where the model has it, the normed latent and kr (and a sparse-
 // attention indexer's key) written to the cache row, the absorbed attention over each row's cached
 // latents, or over those its indexer selects (or the layer before it selected: GLM-5's shared
-// layers), all as MLAttention's very ATen ops so the bits are the same; o_proj.
+// layers; or a pooled indexer, GLM-5.3-Flash's, from the pools it keeps: PooledIndexer), all as
+// MLAttention's very ATen ops so the bits are the same; o_proj.
 #include "step_common.h"
 
 #include <cmath>
@@ -56,12 +57,19 @@ torch::Tensor absorbed(const MlaShape& s, const torch::Tensor& q, torch::Tensor 
 }
 
 // A layer's lightning indexer (baton/models/indexer.py, Indexer): its queries, head weights and
-// key, and each decode row's top-k over the keys cached after the latents.
+// key, and each decode row's top-k over the keys cached after the latents. A pooled one (pool > 0,
+// PooledIndexer) keeps a row per pool of `pool` tokens in its own group and the open pool's raw
+// [k | gate] rows as state (a window of pool - 1 rows per slot, none where pool is 1).
 struct IndexerStep {
-  int64_t heads = 0, dim = 0, topk = 0;
+  int64_t heads = 0, dim = 0, pool = 0;
   StepLinear wq_b, wk, weights;
   torch::Tensor k_norm_weight, k_norm_bias;
   double k_norm_eps = 1e-6;
+  StepLinear gate;                          // index_kpool_compress_gate (packed [dim, hidden])
+  torch::Tensor ape;                        // index_kpool_compress_ape [pool, dim]
+  torch::Tensor pool_cache;                 // [rows, dim]: a pool's key
+  int64_t pool_group = -1;
+  torch::Tensor window, window_checkpoints;  // [slots | checkpoints, pool - 1, 2 dim]
 
   void read(StepArgs& a, int64_t hidden, int64_t q_lora_rank) {
     heads = a.integer("index_heads"), dim = a.integer("index_dim");
@@ -71,6 +79,86 @@ struct IndexerStep {
     k_norm_weight = a.vector("index_k_norm", dim);
     k_norm_bias = a.vector("index_k_norm_bias", dim);
     k_norm_eps = a.real("index_k_norm_eps");
+    if (!a.has("index_pool")) return;
+    pool = a.integer("index_pool");
+    TORCH_CHECK(pool >= 1, "index_pool must be positive, got ", pool);
+    gate = a.linear("index_gate", hidden, dim);
+    ape = a.tensor("index_ape");
+    check_float(ape, "index_ape");
+    TORCH_CHECK(ape.dim() == 2 && ape.size(0) == pool && ape.size(1) == dim && ape.is_contiguous(),
+                "index_ape must be contiguous [", pool, ", ", dim, "], got ", ape.sizes());
+    const torch::Tensor cache = a.tensor("pool_cache");
+    check_float(cache, "pool_cache");
+    TORCH_CHECK(cache.dim() == 3 && cache.size(1) == 1 && cache.size(2) == dim && cache.stride(2) == 1,
+                "the pooled-key cache must be [rows, 1, ", dim, "], got ", cache.sizes());
+    pool_cache = cache.select(1, 0);
+    pool_group = a.integer("pool_group");
+    TORCH_CHECK(pool_group >= 0, "pool_group must be an index, got ", pool_group);
+    if (pool == 1) return;
+    window = a.tensor("window_state"), window_checkpoints = a.tensor("window_checkpoints");
+    for (const auto& [t, name] : {std::pair{&window, "window_state"}, std::pair{&window_checkpoints, "window_checkpoints"}}) {
+      check_float(*t, name);
+      TORCH_CHECK(t->dim() == 3 && t->size(1) == pool - 1 && t->size(2) == 2 * dim &&
+                      (t->size(0) == 0 || t->select(0, 0).is_contiguous()),
+                  name, " must be [n, ", pool - 1, ", ", 2 * dim, "], each entry contiguous, got ", t->sizes());
+    }
+  }
+
+  // PooledIndexer.write_pools for one token per row: the pool a row completes (its pool group's
+  // slot_mapping >= 0) written to its pool row, the row's window moved on, its checkpoints taken
+  // before (offset 0) or after (offset 1) the token
+  void write_pools(const torch::Tensor& raw, const StepBatch& step) {
+    const torch::Tensor& slot_mapping = step.slot_mapping[pool_group];
+    const int64_t* to = slot_mapping.data_ptr<int64_t>();
+    const torch::Tensor ends = torch::zeros({1, 1}, slot_mapping.options()) + torch::arange(pool, slot_mapping.options());
+    const auto snapshot = [&](int64_t row, int64_t offset) {
+      for (size_t i = 0; i < step.snapshot_rows.size(); ++i)
+        if (step.snapshot_rows[i] == row && step.snapshot_offsets[i] == offset)
+          window_checkpoints.select(0, step.snapshot_ids[i]).copy_(window.select(0, step.state_slots[row]));
+    };
+    for (int64_t r = 0; r < raw.size(0); ++r) {
+      torch::Tensor rows = raw.slice(0, r, r + 1), slot_window;
+      if (pool > 1) {
+        snapshot(r, 0);
+        slot_window = window.select(0, step.state_slots[r]);
+        rows = at::cat({slot_window, rows});
+      }
+      if (to[r] >= 0) {
+        const torch::Tensor pools = rows.index({ends});  // [1, pool, 2 dim]
+        const torch::Tensor w = (pools.slice(2, dim) + ape).softmax(1);
+        pool_cache.index_copy_(0, slot_mapping.slice(0, r, r + 1), (w * pools.slice(2, 0, dim)).sum(1));
+      }
+      if (pool > 1) {
+        slot_window.copy_(rows.slice(0, 1));
+        snapshot(r, 1);
+      }
+    }
+  }
+
+  // PooledIndexer._positions: the positions [n, topk + pool - 1] each decode row reads (its top
+  // topk / pool pools', then its open pool's) and which are real, from its queries q [n, heads,
+  // dim] and head weights w [n, heads]
+  std::pair<torch::Tensor, torch::Tensor> pooled_positions(const torch::Tensor& q, const torch::Tensor& w,
+                                                           int64_t topk, const StepBatch& step) const {
+    const torch::Tensor &lens = step.kv_lens[pool_group], &table = step.block_ids[pool_group];
+    const int64_t n = q.size(0), num_pools = lens.max().item<int64_t>() / pool, bs = step.block_size;
+    const torch::Tensor first = torch::arange(num_pools, lens.options()) * pool;
+    const torch::Tensor blocks = table.index({torch::indexing::Slice(), at::floor_divide(first, bs)});
+    const torch::Tensor slots = blocks * (bs / pool) + at::floor_divide(at::remainder(first, bs), pool);
+    const torch::Tensor keys = pool_cache.index({slots.reshape(-1)}).view({n, num_pools, dim});
+    const torch::Tensor pos = lens - 1;
+    const torch::Tensor visible = at::floor_divide(pos.unsqueeze(1) + 1, pool);
+    const torch::Tensor candidate = torch::arange(num_pools, lens.options()).unsqueeze(0) < visible;
+    torch::Tensor per_head = at::matmul(q, keys.transpose(-1, -2)) * std::pow(static_cast<double>(dim), -0.5);
+    per_head.relu_();
+    const torch::Tensor scores = at::matmul(w.unsqueeze(1), per_head)
+                                     .squeeze(1)
+                                     .masked_fill(candidate.logical_not(), -std::numeric_limits<float>::infinity());
+    const torch::Tensor top = std::get<1>(scores.topk(std::min(topk / pool, num_pools), -1));
+    const torch::Tensor within = torch::arange(pool, lens.options());
+    const torch::Tensor tail = visible * pool + within.slice(0, 0, pool - 1).unsqueeze(0);
+    return {at::cat({(top.unsqueeze(-1) * pool + within).flatten(1), tail}, 1),
+            at::cat({candidate.gather(1, top).repeat_interleave(pool, 1), tail <= pos.unsqueeze(1)}, 1)};
   }
 };
 
@@ -104,7 +192,7 @@ class MlaStep : public LayerStep {
     }
     selection_ = a.object<Selection>("selection");
     TORCH_CHECK(topk_ <= 0 || selection_ != nullptr, "a sparse-attention step needs its selection");
-    const int64_t row = s_.latent() + index_.dim;
+    const int64_t row = s_.latent() + (index_.pool ? 0 : index_.dim);  // a pooled indexer's keys: their own cache
     const torch::Tensor cache = a.tensor("k_cache");
     check_float(cache, "k_cache");
     TORCH_CHECK(cache.dim() == 3 && cache.size(1) == 1 && cache.size(2) == row && cache.stride(2) == 1,
@@ -118,6 +206,10 @@ class MlaStep : public LayerStep {
     n.kv_group = group_;
     n.kv_slots = cache_.size(0);
     if (rope_ >= 0) n.rope = rope_, n.rope_dim = s_.dr;
+    if (index_.pool) {
+      n.pool_group = index_.pool_group, n.pool_rows = index_.pool_cache.size(0), n.pool = index_.pool;
+      if (index_.window.defined()) n.state_slots = index_.window.size(0), n.checkpoints = index_.window_checkpoints.size(0);
+    }
     return n;
   }
 
@@ -131,10 +223,11 @@ class MlaStep : public LayerStep {
     const torch::Tensor &block_ids = step.block_ids[group_], &kv_lens = step.kv_lens[group_];
     const int64_t longest = n ? kv_lens.max().item<int64_t>() : 0;
     const bool sparse = topk_ > 0 && longest > topk_;  // else every key is read: no scoring, no queries
-    torch::Tensor index_q, index_w, index_k;
+    torch::Tensor index_q, index_w, index_k, pool_raw;
     if (index_.dim) {
       index_k = at::layer_norm(index_.wk(h), {index_.dim}, index_.k_norm_weight, index_.k_norm_bias,
                                index_.k_norm_eps);
+      if (index_.pool) pool_raw = at::cat({index_k, index_.gate(h)}, -1);
       if (sparse) {
         index_q = index_.wq_b(q_resid).view({n, index_.heads, index_.dim});
         index_w = index_.weights(h) * std::pow(static_cast<double>(index_.heads), -0.5);
@@ -147,7 +240,7 @@ class MlaStep : public LayerStep {
       rotary_(q_rope, cos, sin);
       k_rot = k_rot.contiguous();
       rotary_(k_rot, cos, sin);
-      if (index_.dim) {
+      if (index_.dim && !index_.pool) {
         torch::Tensor ik = index_k.unsqueeze(1).slice(2, 0, s_.dr);
         rotary_(ik, cos, sin);
       }
@@ -158,17 +251,20 @@ class MlaStep : public LayerStep {
     }
     const torch::Tensor c = rms_norm(ckv.slice(1, 0, s_.rank).contiguous(), c10::nullopt, kv_a_norm_, latent_eps_, 0.0);
     std::vector<torch::Tensor> parts{c, k_rot.select(1, 0)};
-    if (index_.dim) parts.push_back(index_k);
+    if (index_.dim && !index_.pool) parts.push_back(index_k);
     cache_.index_copy_(0, step.slot_mapping[group_], at::cat(parts, -1));
+    if (index_.pool) index_.write_pools(pool_raw, step);
     watch.lap(StepPart::kNorms);
     torch::Tensor pos, valid;
-    if (sparse && !index_.dim) {  // the selection of the indexer layer before: read only those
+    if (sparse && index_.pool) {  // its own pools' selection
+      std::tie(pos, valid) = index_.pooled_positions(index_q, index_w, topk_, step);
+    } else if (sparse && !index_.dim) {  // the selection of the indexer layer before: read only those
       pos = selection_->pos, valid = selection_->valid;
     } else {
       std::tie(pos, valid) = context(step.kv_offsets[group_], kv_lens, longest);
     }
     torch::Tensor rows = cache_.index({slots_of(pos, valid, block_ids, step.block_size)});
-    if (sparse && index_.dim) {  // scored over every key: the selected rows
+    if (sparse && index_.dim && !index_.pool) {  // scored over every key: the selected rows
       torch::Tensor per_head = at::matmul(index_q, rows.slice(2, s_.latent()).transpose(-1, -2)) *
                                std::pow(static_cast<double>(index_.dim), -0.5);
       per_head.relu_();
@@ -199,7 +295,7 @@ class MlaStep : public LayerStep {
   torch::Tensor kv_a_norm_;
   torch::Tensor kv_b_;  // the plain kv_b_proj weight [heads * (dn + dv), rank]
   StepLinear o_;
-  IndexerStep index_;  // dim 0: none (dense, or a shared layer)
+  IndexerStep index_;  // dim 0: none (dense, or a shared layer); pool > 0: pooled
   std::shared_ptr<Selection> selection_;
   torch::Tensor cache_;  // [slots, rank + dr (+ the indexer's dim)]
 };

@@ -1,6 +1,6 @@
 // The dense MLPs as layer steps of the fused decoder (fused_decoder.h): the gated one, gate_up
 // (stacked by rows from its parts), act(gate) * up (SiLU, or GELU's tanh approximation), down
-// (baton/models/llama.py's GatedMLP.forward), and the squared-ReLU one, down(relu(up(x))^2)
+// (baton/models/llama.py's GatedMLP.forward; clamped at a swiglu_limit as moe.py's MLP), and the squared-ReLU one, down(relu(up(x))^2)
 // (nemotron_h.py's MLP), kernel for kernel.
 #include "step_common.h"
 
@@ -22,7 +22,8 @@ class GatedMlpStep : public LayerStep {
  public:
   explicit GatedMlpStep(StepArgs& a)
       : gate_up_(a.tensors("gate_up")), gate_up_rows_(a.integers("gate_up_rows")),
-        intermediate_(a.integer("intermediate")), hidden_(a.integer("hidden")), gelu_tanh_(a.flag("gelu_tanh")) {
+        intermediate_(a.integer("intermediate")), hidden_(a.integer("hidden")), gelu_tanh_(a.flag("gelu_tanh")),
+        limit_(a.has("swiglu_limit") ? a.real("swiglu_limit") : 0.0) {
     TORCH_CHECK(gate_up_.size() == gate_up_rows_.size() && !gate_up_.empty(), "one row count per gate_up part");
     TORCH_CHECK(intermediate_ >= 1 && hidden_ >= 1, "an MLP needs positive sizes, got ", intermediate_, " and ",
                 hidden_);
@@ -32,7 +33,7 @@ class GatedMlpStep : public LayerStep {
   torch::Tensor run(const torch::Tensor& x, const StepBatch&, StepStopwatch& watch) override {
     const torch::Tensor gate_up = stacked_linear(x, gate_up_, gate_up_rows_, c10::nullopt, 2 * intermediate_);
     watch.lap(StepPart::kLinears);
-    const torch::Tensor act = gated_act(gate_up, gelu_tanh_);
+    const torch::Tensor act = swiglu(gate_up, gelu_tanh_, limit_);
     watch.lap(StepPart::kNorms);
     torch::Tensor out = down_(act);
     watch.lap(StepPart::kLinears);
@@ -44,6 +45,7 @@ class GatedMlpStep : public LayerStep {
   std::vector<int64_t> gate_up_rows_;
   int64_t intermediate_, hidden_;
   bool gelu_tanh_;
+  double limit_;  // swiglu_limit; 0: none
   StepLinear down_;
 };
 

@@ -98,15 +98,18 @@ MoeRouting sigmoid_route(const torch::Tensor& x, const SigmoidRouter& r) {
 }
 
 // An MLP of the mixture: gated SiLU (in: gate_up [2I, width]) or squared ReLU (in: up [I, width])
-torch::Tensor expert_mlp(const torch::Tensor& x, const StepLinear& in, const StepLinear& out, bool relu2) {
+// (clamped at `limit` where positive: swiglu)
+torch::Tensor expert_mlp(const torch::Tensor& x, const StepLinear& in, const StepLinear& out, bool relu2,
+                         double limit) {
   return relu2 ? relu2_mlp(x, in.weight, in.bias, out.weight, out.bias, in.n, out.n)
-               : out(gated_act(in(x), false));
+               : out(swiglu(in(x), false, limit));
 }
 
 class MoeStep : public LayerStep {
  public:
   explicit MoeStep(StepArgs& a)
-      : hidden_(a.integer("hidden")), relu2_(a.flag("relu2")), intermediate_(a.integer("moe_intermediate")) {
+      : hidden_(a.integer("hidden")), relu2_(a.flag("relu2")), intermediate_(a.integer("moe_intermediate")),
+        limit_(a.has("swiglu_limit") ? a.real("swiglu_limit") : 0.0) {
     const int64_t top_k = a.integer("top_k");
     const bool norm_topk = a.flag("norm_topk_prob");
     const std::vector<torch::Tensor> in = a.tensors("expert_in"), out = a.tensors("expert_out");
@@ -198,7 +201,7 @@ class MoeStep : public LayerStep {
       torch::Tensor xe = torch::empty({m, width}, x.options());
       for (int64_t i = 0; i < m; ++i)
         std::memcpy(xe.data_ptr<float>() + i * width, xp + rows[i] * width, width * sizeof(float));
-      const torch::Tensor y = expert_mlp(xe, experts_[e].first, experts_[e].second, relu2_);
+      const torch::Tensor y = expert_mlp(xe, experts_[e].first, experts_[e].second, relu2_, limit_);
       const float* yp = y.data_ptr<float>();
       for (int64_t i = 0; i < m; ++i) {
         float* o = outp + rows[i] * width;
@@ -214,7 +217,7 @@ class MoeStep : public LayerStep {
 
   // out += shared(x), times sigmoid(shared_gate(x)) where there is a gate
   void add_shared_(torch::Tensor& out, const torch::Tensor& x) const {
-    const torch::Tensor shared = expert_mlp(x, shared_in_, shared_out_, relu2_);
+    const torch::Tensor shared = expert_mlp(x, shared_in_, shared_out_, relu2_, limit_);
     if (!shared_gate_.defined()) {
       out.add_(shared);
       return;
@@ -235,7 +238,9 @@ class MoeStep : public LayerStep {
 
   int64_t hidden_;
   bool relu2_;
-  int64_t intermediate_, width_ = 0, top_k_ = 1;
+  int64_t intermediate_;
+  double limit_;  // the gated experts' swiglu_limit; 0: none
+  int64_t width_ = 0, top_k_ = 1;
   bool norm_topk_ = true;
   StepLinear softmax_router_;  // packed [experts, hidden]: softmax routing; undefined: sigmoid_
   SigmoidRouter sigmoid_;

@@ -67,7 +67,7 @@ void check_recurrent_tensors(const torch::Tensor& conv_weight, int64_t channels,
 void check_kv_step(int64_t n, const std::vector<torch::Tensor>& slot_mapping,
                    const std::vector<torch::Tensor>& block_ids, const std::vector<torch::Tensor>& kv_offsets,
                    const std::vector<torch::Tensor>& kv_lens, int64_t block_size,
-                   const std::vector<int64_t>& group_slots) {
+                   const std::vector<int64_t>& group_slots, const std::vector<int64_t>& group_pools) {
   const size_t groups = slot_mapping.size();
   TORCH_CHECK(block_ids.size() == groups && kv_offsets.size() == groups && kv_lens.size() == groups,
               "one block table, offset and length per KV group");
@@ -79,11 +79,15 @@ void check_kv_step(int64_t n, const std::vector<torch::Tensor>& slot_mapping,
                     slots.device().is_cpu(),
                 "slot_mapping must be contiguous int64 [rows=", n, "], got ", slots.scalar_type(), " ",
                 slots.sizes());
+    const int64_t pool = g < group_pools.size() ? group_pools[g] : 1;
+    TORCH_CHECK(pool >= 1 && block_size % pool == 0, "block_size ", block_size, " is not a multiple of group ", g,
+                "'s pool of ", pool, " tokens");
     const int64_t* slot = slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < n; ++t)
-      TORCH_CHECK(slot[t] >= 0 && slot[t] < group_slots[g], "slot_mapping[", g, "][", t, "] = ", slot[t],
-                  " is outside the KV cache's ", group_slots[g], " slots");
-    check_decode_context(block_ids[g], kv_offsets[g], kv_lens[g], n, block_size, group_slots[g] / block_size);
+      TORCH_CHECK((slot[t] >= 0 || (pool > 1 && slot[t] == -1)) && slot[t] < group_slots[g], "slot_mapping[", g,
+                  "][", t, "] = ", slot[t], " is outside the KV cache's ", group_slots[g], " slots");
+    check_decode_context(block_ids[g], kv_offsets[g], kv_lens[g], n, block_size,
+                         group_slots[g] / (block_size / pool));
   }
 }
 
@@ -290,4 +294,10 @@ void RecurrentStep::read_conv_state(StepArgs& a, std::vector<int64_t> conv_colum
   state_ = a.state(conv_weight_, channels, kc, state_shape);
   conv_bias_ = a.tensor("conv_bias");
   if (conv_bias_.defined()) check_vector(conv_bias_, channels, "conv_bias");
+}
+
+torch::Tensor swiglu(const torch::Tensor& x, bool gelu_tanh, double limit) {
+  if (limit <= 0) return gated_act(x, gelu_tanh);
+  const std::vector<torch::Tensor> halves = x.chunk(2, -1);
+  return at::silu(halves[0].clamp_max(limit)) * halves[1].clamp(-limit, limit);
 }

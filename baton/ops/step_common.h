@@ -24,12 +24,18 @@ void check_vector(const torch::Tensor& t, int64_t n, const char* name);
 void check_packed(const torch::Tensor& t, int64_t k, int64_t n, const char* name);
 
 // A step of n decode rows: per KV group g that some layer reads (group_slots[g] its layers'
-// fewest cache slots; int64 max where no layer reads it), the slot each row writes and the
-// context it reads. Throws on the first bad entry.
+// fewest cache rows; int64 max where no layer reads it; group_pools[g] the tokens a row holds, 1
+// but for a pooled indexer's group), the row each token writes (a pooled group's: -1 but where
+// the token completes a pool) and the context it reads. Throws on the first bad entry.
 void check_kv_step(int64_t n, const std::vector<torch::Tensor>& slot_mapping,
                    const std::vector<torch::Tensor>& block_ids, const std::vector<torch::Tensor>& kv_offsets,
                    const std::vector<torch::Tensor>& kv_lens, int64_t block_size,
-                   const std::vector<int64_t>& group_slots);
+                   const std::vector<int64_t>& group_slots, const std::vector<int64_t>& group_pools);
+
+// act(gate) * up of x [rows, 2 * inner] = [gate | up] as gated_act, or (limit > 0: GLM-5.3-Flash's
+// swiglu_limit) silu(gate clamped from above at limit) * (up clamped to [-limit, limit]) as the
+// module path's ATen ops
+torch::Tensor swiglu(const torch::Tensor& x, bool gelu_tanh, double limit);
 
 // One distinct state slot per row in [0, num_slots); snapshots: a row, an offset 0 or 1 and a
 // checkpoint id in [0, num_checkpoints) each.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baton.models.glm5_flash import HyperConnection
 from baton.models.kimi_linear import KimiDeltaAttention
 from baton.models.llama import Attention, GatedMLP
 from baton.models.mla import MLAttention
@@ -36,6 +37,8 @@ def shard_layer(layer: nn.Module, cfg: TextModelConfig, local: dict, sharder: Sh
             setattr(layer, name, RowParallel(child, sharder.tp))
             if isinstance(child, GatedMLP):  # the width of cfg.intermediate_size (fused decode reads it)
                 local["intermediate_size"] = child.down_proj.in_features
+        elif isinstance(child, HyperConnection):  # per-token math on the whole hidden state: replicated
+            continue
         elif _has_linear(child):
             raise ValueError(f"tensor parallelism does not split {type(child).__name__} layers")
 
