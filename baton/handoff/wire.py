@@ -28,7 +28,6 @@ from baton.handoff.span import KVSpan, SpanTensor
 MAGIC = b"BATONKV3"
 VERSION = 3
 HMAC_BYTES = 32
-MIN_SPAN_BYTES = len(MAGIC) + 4 + 8 + HMAC_BYTES
 # a legitimate header is ~7 bytes per prompt token: 16 MiB is prompts of two million tokens
 MAX_HEADER_BYTES = 16 << 20
 MAX_JSON_DEPTH = 8  # a real header nests 4 deep (header > fingerprint > rope > kind)
@@ -89,11 +88,12 @@ def encode(span: KVSpan, secret: bytes) -> bytes:
     return frame(header, b"".join(body), secret)
 
 
-def frame(header: dict, body: bytes, secret: bytes) -> bytes:
-    """Frame and sign a header and body (tests use it to re-sign what they edited)."""
+def frame(header: dict, body: bytes, secret: bytes, magic: bytes = MAGIC) -> bytes:
+    """Frame and sign a header and body (tests use it to re-sign what they edited); `magic` names
+    the kind of value (a KV span's by default, a KV tier object's: baton/kv/tier_objects.py)."""
     head = json.dumps(header, separators=(",", ":")).encode()
     signed = b"".join(
-        (MAGIC, struct.pack("<I", len(head)), head, struct.pack("<Q", xxhash.xxh64_intdigest(head)), body)
+        (magic, struct.pack("<I", len(head)), head, struct.pack("<Q", xxhash.xxh64_intdigest(head)), body)
     )
     return signed + sign(signed, secret)
 
@@ -104,24 +104,25 @@ def sign(data: bytes | memoryview, secret: bytes) -> bytes:
     return hmac.new(secret, data, hashlib.sha256).digest()
 
 
-def read_header(blob: bytes, secret: bytes) -> tuple[dict, memoryview]:
+def read_header(blob: bytes, secret: bytes, magic: bytes = MAGIC) -> tuple[dict, memoryview]:
     """The header and the body after it, once the signature is checked; InvalidKVImport if the
-    signature, the framing or the header's JSON is wrong."""
+    magic, the signature, the framing or the header's JSON is wrong."""
     try:
         view = memoryview(blob).cast("B")
     except (TypeError, ValueError):  # not bytes, or a view that is not contiguous bytes
         raise InvalidKVImport("span", "bytes", type(blob).__name__) from None
-    if len(view) < len(MAGIC) or view[: len(MAGIC)] != MAGIC:
-        raise InvalidKVImport("magic", MAGIC.decode(), repr(bytes(view[: len(MAGIC)])))
-    if len(view) < MIN_SPAN_BYTES:
-        raise InvalidKVImport("length", f">= {MIN_SPAN_BYTES} bytes", len(view))
+    if len(view) < len(magic) or view[: len(magic)] != magic:
+        raise InvalidKVImport("magic", magic.decode(), repr(bytes(view[: len(magic)])))
+    minimum = len(magic) + 4 + 8 + HMAC_BYTES  # magic, header length, header checksum, signature
+    if len(view) < minimum:
+        raise InvalidKVImport("length", f">= {minimum} bytes", len(view))
     signed, signature = view[:-HMAC_BYTES], view[-HMAC_BYTES:]
     if not hmac.compare_digest(sign(signed, secret), signature):
         raise InvalidKVImport(
             "hmac", "a span signed with this deployment's kv secret", "a signature that does not match"
         )
-    (n,) = struct.unpack_from("<I", signed, len(MAGIC))
-    start = len(MAGIC) + 4
+    (n,) = struct.unpack_from("<I", signed, len(magic))
+    start = len(magic) + 4
     if n > min(MAX_HEADER_BYTES, len(signed) - start - 8):
         raise InvalidKVImport("header_length", f"<= {min(MAX_HEADER_BYTES, len(signed) - start - 8)}", n)
     head = bytes(signed[start : start + n])

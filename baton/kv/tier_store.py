@@ -1,0 +1,245 @@
+"""The second KV tier's stores: opaque objects by key, bounded in bytes, least recently used first out.
+
+A key is 32 bytes (a SHA-256 the caller derives from what the object must match); a value is the
+object's bytes, which the caller validates: a store only keeps bytes. `DiskStore` is a directory any
+number of processes on one host share: an object is written to a private temporary file and
+renamed into place (a reader never sees half an object, whatever crashes when), and the budget is
+kept under an exclusive lock on the directory, so it holds whichever process writes.
+`RedisStore` keeps objects in Redis or Valkey, its byte budget and recency in two more keys, each
+write and its evictions one atomic script. `TieredStore` reads the first store that has a key
+(disk, then Redis) and writes every store.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Protocol
+
+KEY_BYTES = 32
+SUFFIX = ".kv"
+
+
+class TierStore(Protocol):
+    def put(self, key: bytes, value: bytes) -> None:
+        """Keep `value` under `key` (a key already kept: only its recency moves), evicting the least
+        recently used objects until the store is within its budget; a value over the whole budget
+        is not kept."""
+
+    def get(self, key: bytes) -> bytes | None:
+        """The value, or None; a hit counts as a use."""
+
+    def contains(self, key: bytes) -> bool: ...
+
+    def delete(self, key: bytes) -> None:
+        """Forget `key` (a bad object); absent keys are ignored."""
+
+    def nbytes(self) -> int:
+        """The bytes the store's objects take."""
+
+
+def _check_key(key: bytes) -> str:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ValueError(f"a tier key is {KEY_BYTES} bytes")
+    return key.hex()
+
+
+class DiskStore:
+    """Objects as files `<root>/<2 hex>/<64 hex>.kv`; recency is a file's modification time."""
+
+    def __init__(self, root: str | os.PathLike, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"a disk tier needs a positive byte budget, got {max_bytes}")
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "tmp").mkdir(exist_ok=True)
+        self._lock_path = self.root / ".lock"
+        self._lock_path.touch(exist_ok=True)
+
+    def _path(self, key: bytes) -> Path:
+        name = _check_key(key)
+        return self.root / name[:2] / f"{name}{SUFFIX}"
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self._lock_path, "rb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _objects(self) -> list[tuple[float, int, Path]]:
+        """(modification time, size, path) of every object, whatever process wrote it."""
+        found = []
+        for sub in self.root.iterdir():
+            if not sub.is_dir() or len(sub.name) != 2:
+                continue
+            for entry in os.scandir(sub):
+                if entry.name.endswith(SUFFIX):
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:  # evicted meanwhile by another process's delete
+                        continue
+                    found.append((st.st_mtime, st.st_size, Path(entry.path)))
+        return found
+
+    def put(self, key: bytes, value: bytes) -> None:
+        path = self._path(key)
+        if len(value) > self.max_bytes:
+            return
+        if self._touch(path):
+            return
+        tmp = self.root / "tmp" / f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(value)
+                f.flush()
+                os.fsync(f.fileno())
+            with self._locked():
+                objects = self._objects()
+                total = sum(size for _, size, _ in objects) + len(value)
+                for _, size, victim in sorted(objects):
+                    if total <= self.max_bytes:
+                        break
+                    victim.unlink(missing_ok=True)
+                    total -= size
+                path.parent.mkdir(exist_ok=True)
+                os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _touch(self, path: Path) -> bool:
+        try:
+            os.utime(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def get(self, key: bytes) -> bytes | None:
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        self._touch(path)
+        return data
+
+    def contains(self, key: bytes) -> bool:
+        return self._path(key).exists()
+
+    def delete(self, key: bytes) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def nbytes(self) -> int:
+        return sum(size for _, size, _ in self._objects())
+
+
+# KEYS: the object, the recency sorted set, the byte counter; ARGV: the value, the budget, now.
+# A new object is counted and stamped, then the oldest go until the total is within the budget.
+_PUT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('ZADD', KEYS[2], ARGV[3], KEYS[1])
+  return 0
+end
+local size = string.len(ARGV[1])
+if size > tonumber(ARGV[2]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[3], KEYS[1])
+local total = redis.call('INCRBY', KEYS[3], size)
+while total > tonumber(ARGV[2]) do
+  local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+  if oldest == nil then break end
+  redis.call('ZREM', KEYS[2], oldest)
+  total = redis.call('DECRBY', KEYS[3], redis.call('STRLEN', oldest))
+  redis.call('DEL', oldest)
+end
+return 1
+"""
+_DELETE = """
+if redis.call('ZREM', KEYS[2], KEYS[1]) == 1 then
+  redis.call('DECRBY', KEYS[3], redis.call('STRLEN', KEYS[1]))
+  redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class RedisStore:
+    """Objects in Redis or Valkey at `url` (redis://HOST:PORT[/DB]) under `namespace`."""
+
+    def __init__(self, url: str, max_bytes: int, namespace: str = "baton:kv") -> None:
+        import redis  # the client package; only a Redis tier needs it
+
+        if max_bytes < 1:
+            raise ValueError(f"a Redis tier needs a positive byte budget, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.namespace = namespace
+        self._client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
+        self._lru, self._total = f"{namespace}:lru", f"{namespace}:bytes"
+        self._put = self._client.register_script(_PUT)
+        self._delete = self._client.register_script(_DELETE)
+
+    def _key(self, key: bytes) -> str:
+        return f"{self.namespace}:obj:{_check_key(key)}"
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self._put(keys=[self._key(key), self._lru, self._total], args=[value, self.max_bytes, time.time()])
+
+    def get(self, key: bytes) -> bytes | None:
+        name = self._key(key)
+        value = self._client.get(name)
+        if value is not None:
+            self._client.zadd(self._lru, {name: time.time()}, xx=True)
+        return value
+
+    def contains(self, key: bytes) -> bool:
+        return bool(self._client.exists(self._key(key)))
+
+    def delete(self, key: bytes) -> None:
+        self._delete(keys=[self._key(key), self._lru, self._total])
+
+    def nbytes(self) -> int:
+        return int(self._client.get(self._total) or 0)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class TieredStore:
+    """Stores in order (disk, then Redis): a read takes the first that has the key (and copies it
+    into the stores before that one), a write goes to each."""
+
+    def __init__(self, stores: list[TierStore]) -> None:
+        if not stores:
+            raise ValueError("a tiered store needs a store")
+        self.stores = stores
+
+    def put(self, key: bytes, value: bytes) -> None:
+        for store in self.stores:
+            store.put(key, value)
+
+    def get(self, key: bytes) -> bytes | None:
+        for i, store in enumerate(self.stores):
+            value = store.get(key)
+            if value is not None:
+                for nearer in self.stores[:i]:
+                    nearer.put(key, value)
+                return value
+        return None
+
+    def contains(self, key: bytes) -> bool:
+        return any(store.contains(key) for store in self.stores)
+
+    def delete(self, key: bytes) -> None:
+        for store in self.stores:
+            store.delete(key)
+
+    def nbytes(self) -> int:
+        return sum(store.nbytes() for store in self.stores)
