@@ -18,7 +18,6 @@ from tests.test_recurrent_hybrid import _ids, qwen3_5, qwen3_next  # noqa: F401
 FAMILIES = pytest.mark.parametrize(
     "family", ["qwen3_next", "qwen3_5", "kimi", "nemotron", "glm", "dsa_v32", "dsa_glm5", "flash"]
 )
-LATENT_FLOAT32 = ("kimi", "dsa_v32", "dsa_glm5", "flash")  # the MLA step reads float32 latent caches only
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 
@@ -39,14 +38,13 @@ def _fused_steps(llm: LLM) -> int:
 @FAMILIES
 @pytest.mark.parametrize("weights", ["float32", "q4_0"])
 def test_fused_decode_has_the_bits_of_the_module_path(family, weights, request, monkeypatch):
-    """float32, and 4-bit weights beside an fp8 KV cache (an MLA step's latent cache is float32
-    only: those q4_0 runs keep it). DeepSeek-V3.2 and GLM-5: rotary MLA, their indexers' top-k
+    """float32, and 4-bit weights beside an fp8 KV cache (MLA latents and pooled keys included).
+    DeepSeek-V3.2 and GLM-5: rotary MLA, their indexers' top-k
     (every prompt here is longer than index_topk), GLM-5's shared selections; GLM-5.3-Flash: the
     pooled indexer (pools completed and checkpointed by decode rows), lower-bounded KDA, clamped
     SwiGLU and hyper-connections."""
     _, path = request.getfixturevalue(family)
-    kv = None if family in LATENT_FLOAT32 else "fp8"
-    narrow = {} if weights == "float32" else {"quantization": weights, "kv_cache_dtype": kv}
+    narrow = {} if weights == "float32" else {"quantization": weights, "kv_cache_dtype": "fp8"}
     llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, **narrow)
     prompts = [{"prompt_token_ids": _ids(n, 50 + n)} for n in (150, 40, 77)]
     fused = llm.generate(prompts, PARAMS)

@@ -88,12 +88,11 @@ class MLAttention(nn.Module):
     def decode_step(self, binding: StepBinding):
         """This attention as a fused decoder's step for decode rows (baton/ops/mla_layer.cpp); None
         unless its projections run on the packed kernels, kv_b_proj's weight (the absorbed
-        einsum's very operand, never packed) is float32 and the latent cache is float32 (a pooled
-        indexer's: its pooled-key cache and its compression weights too)."""
+        einsum's very operand, never packed) is float32 and the KV cache float32 or fp8."""
         o_proj = unwrapped(self.o_proj)
         lora = not hasattr(self, "q_proj")
-        cache = binding.storage.layer_kv(self.layer_id).k
-        if not packed_only(self, o_proj) or not plain_float32(self.kv_b_proj.weight, cache):
+        cache = binding.storage.layer_kv(self.layer_id)
+        if not packed_only(self, o_proj) or not plain_float32(self.kv_b_proj.weight) or not _step_cache(cache):
             return None
         index = self.indexer
         pooled = pooled_indexer_args(index, binding) if isinstance(index, PooledIndexer) else {}
@@ -122,7 +121,8 @@ class MLAttention(nn.Module):
             **linear_args("o_proj", o_proj),
             **({} if index is None else indexer_args(index)),
             **pooled,
-            k_cache=cache,
+            k_cache=cache.k,
+            k_scale=cache.k_scale,
             group=binding.kv_group(self.layer_id),
         )
 
@@ -295,11 +295,12 @@ def indexer_args(index: Indexer) -> dict:
 
 def pooled_indexer_args(index: PooledIndexer, binding: StepBinding) -> dict | None:
     """A pooled indexer's further arguments to the MLA step: its compression weights, its pooled-key
-    cache and group, the open pool's window state; None where the cache or ape is not float32 or
-    (a pool of more than one token) there is no state storage (packed_only checked the gate)."""
-    pool_cache = binding.storage.layer_kv(index.pool_layer).k
+    cache and group, the open pool's window state; None where ape is not float32, the cache
+    neither float32 nor fp8, or (a pool of more than one token) there is no state storage
+    (packed_only checked the gate)."""
+    pool_cache = binding.storage.layer_kv(index.pool_layer)
     ape = index.index_kpool_compress_ape
-    if not plain_float32(pool_cache, ape) or (index.pool > 1 and binding.states is None):
+    if not plain_float32(ape) or not _step_cache(pool_cache) or (index.pool > 1 and binding.states is None):
         return None
     window = {}
     if index.pool > 1:
@@ -309,10 +310,16 @@ def pooled_indexer_args(index: PooledIndexer, binding: StepBinding) -> dict | No
         "index_pool": index.pool,
         "index_gate": index.index_kpool_compress_gate.packed,
         "index_ape": ape.contiguous(),
-        "pool_cache": pool_cache,
+        "pool_cache": pool_cache.k,
+        "pool_scale": pool_cache.k_scale,
         "pool_group": binding.kv_group(index.pool_layer),
         **window,
     }
+
+
+def _step_cache(cache: LayerKV) -> bool:
+    """A cache the MLA step reads: float32, or fp8 with its scales."""
+    return cache.k.dtype in (torch.float32, torch.float8_e4m3fn)
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:

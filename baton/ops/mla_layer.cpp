@@ -4,7 +4,8 @@
 // attention indexer's key) written to the cache row, the absorbed attention over each row's cached
 // latents, or over those its indexer selects (or the layer before it selected: GLM-5's shared
 // layers; or a pooled indexer, GLM-5.3-Flash's, from the pools it keeps: PooledIndexer), all as
-// MLAttention's very ATen ops so the bits are the same; o_proj.
+// MLAttention's very ATen ops so the bits are the same; o_proj. Latents and pooled keys are
+// float32 or fp8 (a scale per block), as the KV cache is.
 #include "step_common.h"
 
 #include <cmath>
@@ -18,6 +19,44 @@ namespace {
 struct MlaShape {
   int64_t heads, rank, dn, dr, dv;
   int64_t latent() const { return rank + dr; }  // a cache row: the normed latent c, then kr
+};
+
+// A cache of one row per slot ([slots, 1, width]: MLA latents, or a pooled indexer's keys), float32
+// or fp8 with a float32 scale per block of `block_size` rows, written and read as the module path's
+// LayerKV.write / read_k do (write_kv_fp8 / read_kv_fp8 for fp8, the same functions).
+struct PagedRows {
+  torch::Tensor cache;
+  c10::optional<torch::Tensor> scale;
+
+  void read_args(StepArgs& a, const char* cache_name, const char* scale_name, int64_t width) {
+    cache = a.tensor(cache_name);
+    TORCH_CHECK(cache.defined() && cache.dim() == 3 && cache.size(1) == 1 && cache.size(2) == width &&
+                    cache.stride(2) == 1 && cache.device().is_cpu() &&
+                    (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kFloat8_e4m3fn),
+                cache_name, " must be float32 or fp8 [slots, 1, ", width, "], got ",
+                cache.defined() ? cache.sizes() : c10::IntArrayRef{});
+    if (torch::Tensor t = a.tensor(scale_name); t.defined()) scale = std::move(t);
+    TORCH_CHECK(scale.has_value() == (cache.scalar_type() == at::kFloat8_e4m3fn), "an fp8 ", cache_name,
+                ", and only one, has scales (", scale_name, ")");
+  }
+  int64_t slots() const { return cache.size(0); }
+  void check(int64_t block_size) const {
+    if (scale) check_kv_scales(cache, *scale, block_size);
+  }
+  void write(const torch::Tensor& rows, const torch::Tensor& slots, int64_t block_size) {
+    if (scale) {
+      write_kv_fp8(rows.unsqueeze(1), cache, *scale, slots, block_size, false);
+    } else {
+      cache.select(1, 0).index_copy_(0, slots, rows);
+    }
+  }
+  // the rows at slots (any shape) as float32 [*slots.shape, width]
+  torch::Tensor read(const torch::Tensor& slots, int64_t block_size) const {
+    if (!scale) return cache.select(1, 0).index({slots});
+    std::vector<int64_t> shape(slots.sizes().begin(), slots.sizes().end());
+    shape.push_back(cache.size(2));
+    return read_kv_fp8(cache, *scale, slots.reshape(-1), block_size).view(shape);
+  }
 };
 
 // The keys a sparse-attention layer's decode rows read, [rows, k] positions and which are real:
@@ -67,7 +106,7 @@ struct IndexerStep {
   double k_norm_eps = 1e-6;
   StepLinear gate;                          // index_kpool_compress_gate (packed [dim, hidden])
   torch::Tensor ape;                        // index_kpool_compress_ape [pool, dim]
-  torch::Tensor pool_cache;                 // [rows, dim]: a pool's key
+  PagedRows pool_cache;                     // a row per pool: its key
   int64_t pool_group = -1;
   torch::Tensor window, window_checkpoints;  // [slots | checkpoints, pool - 1, 2 dim]
 
@@ -87,11 +126,7 @@ struct IndexerStep {
     check_float(ape, "index_ape");
     TORCH_CHECK(ape.dim() == 2 && ape.size(0) == pool && ape.size(1) == dim && ape.is_contiguous(),
                 "index_ape must be contiguous [", pool, ", ", dim, "], got ", ape.sizes());
-    const torch::Tensor cache = a.tensor("pool_cache");
-    check_float(cache, "pool_cache");
-    TORCH_CHECK(cache.dim() == 3 && cache.size(1) == 1 && cache.size(2) == dim && cache.stride(2) == 1,
-                "the pooled-key cache must be [rows, 1, ", dim, "], got ", cache.sizes());
-    pool_cache = cache.select(1, 0);
+    pool_cache.read_args(a, "pool_cache", "pool_scale", dim);
     pool_group = a.integer("pool_group");
     TORCH_CHECK(pool_group >= 0, "pool_group must be an index, got ", pool_group);
     if (pool == 1) return;
@@ -126,7 +161,7 @@ struct IndexerStep {
       if (to[r] >= 0) {
         const torch::Tensor pools = rows.index({ends});  // [1, pool, 2 dim]
         const torch::Tensor w = (pools.slice(2, dim) + ape).softmax(1);
-        pool_cache.index_copy_(0, slot_mapping.slice(0, r, r + 1), (w * pools.slice(2, 0, dim)).sum(1));
+        pool_cache.write((w * pools.slice(2, 0, dim)).sum(1), slot_mapping.slice(0, r, r + 1), step.block_size / pool);
       }
       if (pool > 1) {
         slot_window.copy_(rows.slice(0, 1));
@@ -145,7 +180,7 @@ struct IndexerStep {
     const torch::Tensor first = torch::arange(num_pools, lens.options()) * pool;
     const torch::Tensor blocks = table.index({torch::indexing::Slice(), at::floor_divide(first, bs)});
     const torch::Tensor slots = blocks * (bs / pool) + at::floor_divide(at::remainder(first, bs), pool);
-    const torch::Tensor keys = pool_cache.index({slots.reshape(-1)}).view({n, num_pools, dim});
+    const torch::Tensor keys = pool_cache.read(slots, bs / pool);  // [n, pools, dim]
     const torch::Tensor pos = lens - 1;
     const torch::Tensor visible = at::floor_divide(pos.unsqueeze(1) + 1, pool);
     const torch::Tensor candidate = torch::arange(num_pools, lens.options()).unsqueeze(0) < visible;
@@ -193,24 +228,25 @@ class MlaStep : public LayerStep {
     selection_ = a.object<Selection>("selection");
     TORCH_CHECK(topk_ <= 0 || selection_ != nullptr, "a sparse-attention step needs its selection");
     const int64_t row = s_.latent() + (index_.pool ? 0 : index_.dim);  // a pooled indexer's keys: their own cache
-    const torch::Tensor cache = a.tensor("k_cache");
-    check_float(cache, "k_cache");
-    TORCH_CHECK(cache.dim() == 3 && cache.size(1) == 1 && cache.size(2) == row && cache.stride(2) == 1,
-                "the latent cache must be [slots, 1, ", row, "], got ", cache.sizes());
+    cache_.read_args(a, "k_cache", "k_scale", row);
     TORCH_CHECK(group_ >= 0, "group must be an index, got ", group_);
-    cache_ = cache.select(1, 0);
   }
 
   StepNeeds needs() const override {
     StepNeeds n;
     n.kv_group = group_;
-    n.kv_slots = cache_.size(0);
+    n.kv_slots = cache_.slots();
     if (rope_ >= 0) n.rope = rope_, n.rope_dim = s_.dr;
     if (index_.pool) {
-      n.pool_group = index_.pool_group, n.pool_rows = index_.pool_cache.size(0), n.pool = index_.pool;
+      n.pool_group = index_.pool_group, n.pool_rows = index_.pool_cache.slots(), n.pool = index_.pool;
       if (index_.window.defined()) n.state_slots = index_.window.size(0), n.checkpoints = index_.window_checkpoints.size(0);
     }
     return n;
+  }
+
+  void check_step(const StepBatch& step) const override {
+    cache_.check(step.block_size);
+    if (index_.pool) index_.pool_cache.check(step.block_size / index_.pool);
   }
 
   torch::Tensor run(const torch::Tensor& h, const StepBatch& step, StepStopwatch& watch) override {
@@ -252,7 +288,7 @@ class MlaStep : public LayerStep {
     const torch::Tensor c = rms_norm(ckv.slice(1, 0, s_.rank).contiguous(), c10::nullopt, kv_a_norm_, latent_eps_, 0.0);
     std::vector<torch::Tensor> parts{c, k_rot.select(1, 0)};
     if (index_.dim && !index_.pool) parts.push_back(index_k);
-    cache_.index_copy_(0, step.slot_mapping[group_], at::cat(parts, -1));
+    cache_.write(at::cat(parts, -1), step.slot_mapping[group_], step.block_size);
     if (index_.pool) index_.write_pools(pool_raw, step);
     watch.lap(StepPart::kNorms);
     torch::Tensor pos, valid;
@@ -263,7 +299,7 @@ class MlaStep : public LayerStep {
     } else {
       std::tie(pos, valid) = context(step.kv_offsets[group_], kv_lens, longest);
     }
-    torch::Tensor rows = cache_.index({slots_of(pos, valid, block_ids, step.block_size)});
+    torch::Tensor rows = cache_.read(slots_of(pos, valid, block_ids, step.block_size), step.block_size);
     if (sparse && index_.dim && !index_.pool) {  // scored over every key: the selected rows
       torch::Tensor per_head = at::matmul(index_q, rows.slice(2, s_.latent()).transpose(-1, -2)) *
                                std::pow(static_cast<double>(index_.dim), -0.5);
@@ -297,7 +333,7 @@ class MlaStep : public LayerStep {
   StepLinear o_;
   IndexerStep index_;  // dim 0: none (dense, or a shared layer); pool > 0: pooled
   std::shared_ptr<Selection> selection_;
-  torch::Tensor cache_;  // [slots, rank + dr (+ the indexer's dim)]
+  PagedRows cache_;  // a row per slot: the latent c, kr (and a per-token indexer's key)
 };
 
 }  // namespace
