@@ -4,8 +4,16 @@ offload tier ask it, each describing what it holds; nothing else decides a resum
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from baton.kv.spec import KVGroup, KVSpec
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    num_tokens: int = 0  # the resumable prefix: every group can serve it
+    kv_tokens: int = 0  # what the paged groups alone could serve (past num_tokens: no state checkpoint)
+    checkpoint_id: int | None = None  # the state checkpoint at num_tokens
 
 
 def needed_start(group: KVGroup, num_tokens: int) -> int:
