@@ -113,16 +113,20 @@ def encode_object(
         )
         body.append(raw)
         offset += len(raw)
-    header = {
+    header = {**_identity(kind, key, start, end, tokens), "tensors": entries}
+    return frame(header, b"".join(body), secret, MAGIC)
+
+
+def _identity(kind: str, key: bytes, start: int, end: int, tokens: Sequence[int]) -> dict:
+    """The header fields that name what an object is: written by encode_object, required by decode_object."""
+    return {
         "version": LAYOUT_VERSION,
         "kind": kind,
         "key": key.hex(),
         "start": start,
         "end": end,
         "tokens": list(tokens),
-        "tensors": entries,
     }
-    return frame(header, b"".join(body), secret, MAGIC)
 
 
 def decode_object(
@@ -140,15 +144,7 @@ def decode_object(
         header, body = read_header(blob, secret, MAGIC)
     except InvalidKVImport as e:
         raise BadTierObject(str(e)) from None
-    want = {
-        "version": LAYOUT_VERSION,
-        "kind": kind,
-        "key": key.hex(),
-        "start": start,
-        "end": end,
-        "tokens": list(tokens),
-    }
-    for field, value in want.items():
+    for field, value in _identity(kind, key, start, end, tokens).items():
         if header.get(field) != value:
             raise BadTierObject(f"{field}: expected {str(value)[:80]}, got {str(header.get(field))[:80]}")
     entries = header.get("tensors")

@@ -135,7 +135,8 @@ torch::Tensor FusedDecoder::run_streams(const torch::Tensor& x, const StepBatch&
     const HyperWeights& hc = b.hc;
     torch::Tensor flat = streams.reshape({n, -1});
     flat = flat * torch::rsqrt(flat.square().mean(-1, true) + hc.norm_eps);
-    const std::vector<torch::Tensor> w = hc_weights(packed_linear(flat, hc.fn, c10::nullopt, (2 + k) * k), hc.base, hc.scale, k, hc.iters, hc.eps);
+    const torch::Tensor mixed = packed_linear(flat, hc.fn, c10::nullopt, (2 + k) * k);
+    const std::vector<torch::Tensor> w = hc_weights(mixed, hc.base, hc.scale, k, hc.iters, hc.eps);  // pre, post, comb
     const torch::Tensor h = norm((w[0].unsqueeze(-1) * streams).sum(1), c10::nullopt, b.pre_norm);
     watch.lap(StepPart::kNorms);
     torch::Tensor out = b.step->run(h, step, watch);
@@ -156,8 +157,8 @@ torch::Tensor FusedDecoder::run_streams(const torch::Tensor& x, const StepBatch&
 void FusedDecoder::check_step(const torch::Tensor& x, const StepBatch& step) const {
   TORCH_CHECK(x.dim() == 2 && (x.size(1) == hidden_ || (streams_ > 0 && x.size(1) == streams_ * hidden_)) &&
                   x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "x must be float32 [rows, hidden=", hidden_, "] (or [rows, ", streams_, " streams * hidden]) on the CPU, got ",
-              x.scalar_type(), " ", x.sizes());
+              "x must be float32 [rows, hidden=", hidden_, "] (or [rows, ", streams_,
+              " streams * hidden]) on the CPU, got ", x.scalar_type(), " ", x.sizes());
   const int64_t n = step.rows;
   TORCH_CHECK(step.cos.size() == step.sin.size(), "one cos per sin");
   TORCH_CHECK(step.cos.size() >= rope_dims_.size(), "the layers read ", rope_dims_.size(), " rope kinds, ",

@@ -131,7 +131,8 @@ struct IndexerStep {
     TORCH_CHECK(pool_group >= 0, "pool_group must be an index, got ", pool_group);
     if (pool == 1) return;
     window = a.tensor("window_state"), window_checkpoints = a.tensor("window_checkpoints");
-    for (const auto& [t, name] : {std::pair{&window, "window_state"}, std::pair{&window_checkpoints, "window_checkpoints"}}) {
+    for (const auto& [t, name] :
+         {std::pair{&window, "window_state"}, std::pair{&window_checkpoints, "window_checkpoints"}}) {
       check_float(*t, name);
       TORCH_CHECK(t->dim() == 3 && t->size(1) == pool - 1 && t->size(2) == 2 * dim &&
                       (t->size(0) == 0 || t->select(0, 0).is_contiguous()),
@@ -145,29 +146,24 @@ struct IndexerStep {
   void write_pools(const torch::Tensor& raw, const StepBatch& step) {
     const torch::Tensor& slot_mapping = step.slot_mapping[pool_group];
     const int64_t* to = slot_mapping.data_ptr<int64_t>();
-    const torch::Tensor ends = torch::zeros({1, 1}, slot_mapping.options()) + torch::arange(pool, slot_mapping.options());
-    const auto snapshot = [&](int64_t row, int64_t offset) {
-      for (size_t i = 0; i < step.snapshot_rows.size(); ++i)
-        if (step.snapshot_rows[i] == row && step.snapshot_offsets[i] == offset)
-          window_checkpoints.select(0, step.snapshot_ids[i]).copy_(window.select(0, step.state_slots[row]));
-    };
+    const torch::Tensor ends =  // a completed pool's rows in [window | row], indexed as the module path does
+        torch::zeros({1, 1}, slot_mapping.options()) + torch::arange(pool, slot_mapping.options());
+    if (pool > 1) snapshot_state(window_checkpoints, window, step, 0);
     for (int64_t r = 0; r < raw.size(0); ++r) {
       torch::Tensor rows = raw.slice(0, r, r + 1), slot_window;
       if (pool > 1) {
-        snapshot(r, 0);
         slot_window = window.select(0, step.state_slots[r]);
         rows = at::cat({slot_window, rows});
       }
       if (to[r] >= 0) {
         const torch::Tensor pools = rows.index({ends});  // [1, pool, 2 dim]
         const torch::Tensor w = (pools.slice(2, dim) + ape).softmax(1);
-        pool_cache.write((w * pools.slice(2, 0, dim)).sum(1), slot_mapping.slice(0, r, r + 1), step.block_size / pool);
+        pool_cache.write((w * pools.slice(2, 0, dim)).sum(1), slot_mapping.slice(0, r, r + 1),
+                         step.block_size / pool);
       }
-      if (pool > 1) {
-        slot_window.copy_(rows.slice(0, 1));
-        snapshot(r, 1);
-      }
+      if (pool > 1) slot_window.copy_(rows.slice(0, 1));
     }
+    if (pool > 1) snapshot_state(window_checkpoints, window, step, 1);
   }
 
   // PooledIndexer._positions: the positions [n, topk + pool - 1] each decode row reads (its top
@@ -239,7 +235,10 @@ class MlaStep : public LayerStep {
     if (rope_ >= 0) n.rope = rope_, n.rope_dim = s_.dr;
     if (index_.pool) {
       n.pool_group = index_.pool_group, n.pool_rows = index_.pool_cache.slots(), n.pool = index_.pool;
-      if (index_.window.defined()) n.state_slots = index_.window.size(0), n.checkpoints = index_.window_checkpoints.size(0);
+      if (index_.window.defined()) {
+        n.state_slots = index_.window.size(0);
+        n.checkpoints = index_.window_checkpoints.size(0);
+      }
     }
     return n;
   }

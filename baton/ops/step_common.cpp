@@ -114,16 +114,10 @@ void check_state_step(int64_t n, const std::vector<int64_t>& state_slots, int64_
   }
 }
 
-void snapshot_states(torch::Tensor& conv_ckpt, torch::Tensor& rec_ckpt, const torch::Tensor& conv_state,
-                     const torch::Tensor& rec_state, const std::vector<int64_t>& slots,
-                     const std::vector<int64_t>& snapshot_rows, const std::vector<int64_t>& snapshot_offsets,
-                     const std::vector<int64_t>& snapshot_ids, int64_t offset) {
-  for (size_t i = 0; i < snapshot_rows.size(); ++i) {
-    if (snapshot_offsets[i] != offset) continue;
-    const int64_t slot = slots[snapshot_rows[i]], cid = snapshot_ids[i];
-    conv_ckpt.select(0, cid).copy_(conv_state.select(0, slot));
-    rec_ckpt.select(0, cid).copy_(rec_state.select(0, slot));
-  }
+void snapshot_state(torch::Tensor& checkpoints, const torch::Tensor& state, const StepBatch& step, int64_t offset) {
+  for (size_t i = 0; i < step.snapshot_rows.size(); ++i)
+    if (step.snapshot_offsets[i] == offset)
+      checkpoints.select(0, step.snapshot_ids[i]).copy_(state.select(0, step.state_slots[step.snapshot_rows[i]]));
 }
 
 namespace {

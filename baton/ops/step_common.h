@@ -43,12 +43,10 @@ void check_state_step(int64_t n, const std::vector<int64_t>& state_slots, int64_
                       const std::vector<int64_t>& snapshot_rows, const std::vector<int64_t>& snapshot_offsets,
                       const std::vector<int64_t>& snapshot_ids, int64_t num_checkpoints);
 
-// The checkpoints of a layer's conv and recurrent state taken `offset` rows into their row (0:
-// before its token, 1: after): checkpoint snapshot_ids[i] of row snapshot_rows[i]'s slot.
-void snapshot_states(torch::Tensor& conv_ckpt, torch::Tensor& rec_ckpt, const torch::Tensor& conv_state,
-                     const torch::Tensor& rec_state, const std::vector<int64_t>& slots,
-                     const std::vector<int64_t>& snapshot_rows, const std::vector<int64_t>& snapshot_offsets,
-                     const std::vector<int64_t>& snapshot_ids, int64_t offset);
+// The checkpoints of one state tensor ([slots, ...], checkpoints [ids, ...]) taken `offset` rows
+// into their row (0: before its token, 1: after): checkpoint snapshot_ids[i] of row
+// snapshot_rows[i]'s slot (baton/models/recurrent.py's segments).
+void snapshot_state(torch::Tensor& checkpoints, const torch::Tensor& state, const StepBatch& step, int64_t offset);
 
 // cache[slots[t], h] = src[t, h] for src [rows, kv heads, dim] (any strides but the last), converted
 // to a float16 / bfloat16 cache's dtype as torch's copy_ converts (round to nearest even); throws
@@ -80,8 +78,8 @@ struct StateTensors {
   }
   // the checkpoints taken `offset` rows into their row (0: before its token)
   void snapshot(const StepBatch& step, int64_t offset) {
-    snapshot_states(conv_ckpt, rec_ckpt, conv, rec, step.state_slots, step.snapshot_rows, step.snapshot_offsets,
-                    step.snapshot_ids, offset);
+    snapshot_state(conv_ckpt, conv, step, offset);
+    snapshot_state(rec_ckpt, rec, step, offset);
   }
 };
 
