@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from baton.config import (
     CacheConfig,
     EngineConfig,
+    KVTierConfig,
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
@@ -19,7 +20,7 @@ from baton.config import (
     SpeculativeConfig,
 )
 
-_CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+_CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, KVTierConfig)
 
 
 def _flag_type(annotation: str):
@@ -41,6 +42,8 @@ def add_config_args(parser: argparse.ArgumentParser, sections=_CONFIG_SECTIONS) 
             doc = (f.metadata or {}).get("help")
             if kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=doc)
+            elif str(f.type).startswith("list"):  # repeatable: argparse copies the default before appending
+                group.add_argument(flag, action="append", default=[], help=doc)
             else:
                 group.add_argument(flag, type=kind, default=f.default, help=doc)
 
@@ -67,6 +70,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=_section(SchedulerConfig, args),
         kv_transfer=kv_transfer,
         parallel=_section(ParallelConfig, args),
+        kv_tier=_section(KVTierConfig, args),
         seed=args.seed,
         speculative=SpeculativeConfig.parse(args.speculative_config),
     )
@@ -119,6 +123,8 @@ def _serve(args: argparse.Namespace) -> None:
     server = _section(ServerConfig, args)
     server.api_key = server.api_key or config.env.api_key
     config.internal_key(server.api_key)  # refuse a PD role without its own secret now, not after loading
+    if config.kv_tier.kv_tier:
+        config.kv_tier_secret_bytes(server.api_key)  # the same for a KV tier
 
     import uvicorn
 

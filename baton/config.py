@@ -7,6 +7,25 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from baton.config_kv import KV_ROLES, KVTierConfig, KVTransferConfig, check_kv_secret
+from baton.config_spec import SPEC_METHODS, SpeculativeConfig
+
+__all__ = [
+    "KV_ROLES",
+    "SPEC_METHODS",
+    "CacheConfig",
+    "EngineConfig",
+    "EnvSettings",
+    "KVTierConfig",
+    "KVTransferConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+    "ServerConfig",
+    "SpeculativeConfig",
+    "check_kv_secret",
+]
+
 DTYPES = ("float32", "bfloat16", "float16")
 # KV cache dtypes besides DTYPES: vLLM's names for fp8 e4m3, scaled per block and KV head
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
@@ -158,122 +177,6 @@ class ServerConfig:
             raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
 
 
-SPEC_METHODS = ("ngram", "suffix", "draft_model", "mtp")
-
-
-@dataclass
-class SpeculativeConfig:
-    """vLLM's --speculative-config: a proposer drafts tokens, one forward verifies them all."""
-
-    method: str = "ngram"
-    """ngram: prompt lookup over the prompt and the output; suffix: the most frequent continuations
-    of the latest tokens in the prompt, the output and recent requests' outputs (spec/suffix.py);
-    draft_model: a smaller (or quantized) model with the same tokenizer; mtp: the model's own
-    multi-token-prediction layers."""
-    num_speculative_tokens: int = 4
-    """The most tokens drafted per request and step (k); each request's own k follows its
-    measured acceptance between 1 and this."""
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 5
-    """ngram: the longest suffix of this many tokens (down to the min) found earlier is followed."""
-    suffix_max_depth: int = 24
-    """suffix: the longest run of latest tokens matched."""
-    suffix_min_token_prob: float = 0.1
-    """suffix: a draft token's share of the continuations seen at its place, at least."""
-    suffix_max_spec_factor: float = 1.0
-    """suffix: a step drafts at most this many tokens per token of the match."""
-    suffix_cache_tokens: int = 65536
-    """suffix: recent requests' output tokens kept per cache salt."""
-    model: str | None = None
-    """draft_model: a known name, HF directory or .gguf; its vocabulary must be the target's."""
-    quantization: str | None = None
-    """draft_model: quantize the draft's linears at load (q4_0, q8_0, ...)."""
-    disable_by_batch_size: int | None = 8
-    """Speculate only while fewer requests than this are running (None: always). On a CPU, a
-    batch of decodes already reads each weight once for many tokens: verifying drafts then costs
-    compute that plain decoding does not. Measured on SmolLM2 with 2 cores (bench/README.md):
-    n-gram drafts pay 1.3x at c1, about nothing at c4, and lose a few percent at c8."""
-    adaptive: bool = True
-    """Each request's k follows its acceptance: it drafts only as far as drafts tend to survive."""
-
-    def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 32:
-            raise ValueError(
-                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= 32, got "
-                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
-            )
-        if not 1 <= self.suffix_max_depth <= 64:
-            raise ValueError(f"suffix_max_depth must be in [1, 64], got {self.suffix_max_depth}")
-        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
-            raise ValueError(f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}")
-        if not 0.0 < self.suffix_max_spec_factor <= 16.0:
-            raise ValueError(f"suffix_max_spec_factor must be in (0, 16], got {self.suffix_max_spec_factor}")
-        if not 0 <= self.suffix_cache_tokens <= 1 << 24:
-            raise ValueError(f"suffix_cache_tokens must be in [0, 2^24], got {self.suffix_cache_tokens}")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError('speculative method "draft_model" needs "model"')
-        if self.method != "draft_model" and (self.model or self.quantization):
-            raise ValueError(f'"model" and "quantization" belong to method "draft_model", not {self.method!r}')
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
-
-    @classmethod
-    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
-        """From a dict or its JSON text (the CLI flag), with unknown keys named in the error."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("the speculative config is a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative config keys {unknown}; known: {', '.join(sorted(known))}")
-        return cls(**value)
-
-
-KV_ROLES = ("none", "prefill", "decode", "both")
-
-
-@dataclass
-class KVTransferConfig:
-    kv_role: str = "none"
-    """none: no internal routes; prefill: export KV spans on /v1/internal/prefill; decode: accept them
-    on /v1/internal/kv; both."""
-    kv_secret: str | None = None
-    """Shared secret of a PD deployment (or BATON_KV_SECRET), required by every KV role and distinct
-    from the API key: internal routes require it and every KV span carries an HMAC-SHA256 made with
-    it. Without a role and a secret, spans are signed with a random per-process key, so only the
-    process that exported a span can import it."""
-    max_kv_span_bytes: int = 2 << 30
-    """Largest KV span body accepted on /v1/internal/kv."""
-    max_parked_kv_bytes: int = 4 << 30
-    """KV span bytes a decode worker holds at once: uploads in flight, spans parked for their
-    requests, and imports waiting for admission."""
-    max_kv_uploads: int = 8
-    """Uploads to /v1/internal/kv in flight at once; past it, 503."""
-    kv_span_ttl_s: float = 120.0
-    """A span expires this long after its export; a span is imported at most once before then."""
-
-    def __post_init__(self) -> None:
-        if self.kv_role not in KV_ROLES:
-            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
-        if self.max_kv_span_bytes < 1 or self.max_parked_kv_bytes < 1 or self.max_kv_uploads < 1:
-            raise ValueError("max_kv_span_bytes, max_parked_kv_bytes and max_kv_uploads must be positive")
-        if not 0 < self.kv_span_ttl_s <= 3600:
-            raise ValueError(f"kv_span_ttl_s must be in (0, 3600], got {self.kv_span_ttl_s}")
-
-
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -323,6 +226,7 @@ class EnvSettings:
     cache_dir: Path = Path.home() / ".cache" / "baton"
     api_key: str | None = None
     kv_secret: str | None = None
+    kv_tier_secret: str | None = None
     router_admin_key: str | None = None
     quant_kernel: str = "int8"
     """BATON_QUANT_KERNEL: ModelConfig.quant_kernel's default."""
@@ -341,6 +245,7 @@ class EnvSettings:
             cache_dir=Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton")),
             api_key=os.environ.get("BATON_API_KEY") or None,
             kv_secret=os.environ.get("BATON_KV_SECRET") or None,
+            kv_tier_secret=os.environ.get("BATON_KV_TIER_SECRET") or None,
             router_admin_key=os.environ.get("BATON_ROUTER_ADMIN_KEY") or None,
             quant_kernel=quant_kernel,
             faults=parse_faults(os.environ.get("BATON_FAULTS", "")),
@@ -365,6 +270,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_tier: KVTierConfig = field(default_factory=KVTierConfig)
     env: EnvSettings = field(default_factory=EnvSettings.read)
     seed: int = 0
     speculative: SpeculativeConfig | None = None
@@ -378,6 +284,13 @@ class EngineConfig:
             raise ValueError("MTP drafting runs on one rank: use tensor_parallel_size 1, or the ngram method")
         if self.parallel.pipeline_parallel_size > 1 and self.kv_transfer.kv_role != "none":
             raise ValueError("a KV handoff from pipeline stages is not built: use kv_role none with pipeline parallel")
+        if self.kv_tier.kv_tier:
+            if self.parallel.world_size > 1:
+                raise ValueError("a second KV tier runs on one rank: use --kv-tier without tensor or pipeline parallel")
+            if not self.cache.enable_prefix_caching:
+                raise ValueError("a second KV tier feeds the prefix cache: --kv-tier needs prefix caching")
+            if self.speculative is not None and self.speculative.method == "mtp":
+                raise ValueError("a second KV tier does not hold the MTP drafter's layer: use another method")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -388,6 +301,7 @@ class EngineConfig:
             "scheduler": SchedulerConfig,
             "kv_transfer": KVTransferConfig,
             "parallel": ParallelConfig,
+            "kv_tier": KVTierConfig,
         }
         parts: dict[str, dict] = {name: {} for name in sections}
         seed = kwargs.pop("seed", 0)
@@ -416,6 +330,7 @@ class EngineConfig:
             scheduler=SchedulerConfig(**tree["scheduler"]),
             kv_transfer=KVTransferConfig(**tree["kv_transfer"]),
             parallel=ParallelConfig(**tree["parallel"]),
+            kv_tier=KVTierConfig(**tree["kv_tier"]),
             env=env,
             seed=tree["seed"],
             speculative=SpeculativeConfig(**tree["speculative"]) if tree["speculative"] else None,
@@ -426,6 +341,19 @@ class EngineConfig:
         secret = self.kv_transfer.kv_secret or self.env.kv_secret
         return secret.encode() if secret else None
 
+    def kv_tier_secret_bytes(self, api_key: str | None = None) -> bytes:
+        """The tier's signing key (the flag, else BATON_KV_TIER_SECRET): required, and not a key a
+        client holds (`api_key`: the server's)."""
+        secret = self.kv_tier.kv_tier_secret or self.env.kv_tier_secret
+        if not secret:
+            raise ValueError(
+                "--kv-tier needs --kv-tier-secret (or BATON_KV_TIER_SECRET): tier objects are signed and "
+                "checked with it, the same on every process that shares the tier"
+            )
+        if secret in (api_key, self.env.api_key, self.kv_transfer.kv_secret or self.env.kv_secret):
+            raise ValueError("the kv tier secret must differ from the API key and the kv secret")
+        return secret.encode()
+
     def internal_key(self, api_key: str | None = None) -> str | None:
         """The key of the internal routes: None for kv_role none. A role needs its own secret."""
         role = self.kv_transfer.kv_role
@@ -433,19 +361,3 @@ class EngineConfig:
             return None
         secret = self.kv_transfer.kv_secret or self.env.kv_secret
         return check_kv_secret(secret, api_key or self.env.api_key, f"--kv-role {role}")
-
-
-def check_kv_secret(secret: str | None, api_key: str | None, who: str) -> str:
-    """A PD deployment's secret, refused when missing or when it is the API key (every tenant
-    holds that one, and could then sign spans and call the internal routes)."""
-    if not secret:
-        raise ValueError(
-            f"{who} needs the deployment's kv secret for the internal routes and KV spans: pass "
-            "--kv-secret (or set BATON_KV_SECRET) on every worker and the router"
-        )
-    if api_key is not None and secret == api_key:
-        raise ValueError(
-            "the kv secret must differ from the API key: every client holds the API key, and could "
-            "sign KV spans and call the internal routes with it"
-        )
-    return secret

@@ -137,3 +137,12 @@ def test_tiered_store_reads_the_nearest_and_fills_it(tmp_path, redis_url):
     both.delete(key(2))
     assert not both.contains(key(2))
     far.close()
+
+
+@pytest.mark.parametrize("kind", ["disk", "redis"])
+def test_uses_dated_back_go_first_so_a_prefix_loses_its_tail_first(kind, tmp_path, request):
+    store = DiskStore(tmp_path, 1000) if kind == "disk" else RedisStore(request.getfixturevalue("redis_url"), 1000, "t")
+    for block in range(3):  # one prompt's blocks, written head first, each dated back by its index
+        store.put(key(block), bytes(300), age=10.0 * block)
+    store.put(key(9), bytes(300))  # over the budget: the prompt's last block goes, not its first
+    assert [store.contains(key(i)) for i in (0, 1, 2, 9)] == [True, True, False, True]

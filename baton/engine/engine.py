@@ -16,7 +16,8 @@ from baton.engine.faults import Faults
 from baton.engine.grammar import StructuredOutputs
 from baton.engine.input_processor import InputProcessor, Prompt
 from baton.engine.kv_handoff import KVHandoff
-from baton.engine.model_setup import kv_cache_dtype, load_rank_model
+from baton.engine.kv_tier import KVTier
+from baton.engine.model_setup import kv_cache_dtype, load_rank_model, spec_decoder
 from baton.engine.output_processor import OutputProcessor, record_prompt_logprobs, request_output
 from baton.engine.request import Request
 from baton.engine.runner import ModelOutput, ModelRunner
@@ -29,7 +30,6 @@ from baton.outputs import RequestOutput
 from baton.parallel.comm import TPGroup
 from baton.parallel.ranks import Ranks
 from baton.sampling_params import SamplingParams
-from baton.spec_decode.decoder import SpecDecoder
 from baton.spec_decode.verify import accept_drafts
 from baton.tokenizer import generation_eos_ids, load_tokenizer
 
@@ -76,6 +76,13 @@ class LLMEngine:
         self.max_model_len = memory.max_model_len
         self.handoff = KVHandoff(config, loaded, memory, self.ranks)
         self.scheduler = Scheduler(sched, self.kv, self.max_model_len)
+        self.tier = (
+            KVTier(config, self.kv, self.storage, self.states, self.handoff.fingerprint)
+            if config.kv_tier.kv_tier
+            else None
+        )
+        if self.tier is not None:
+            self.scheduler.adopt_from_tier = self.tier.adopt
         self.runner = ModelRunner(self.model, self.kv, self.storage, self.states, self.ranks)
         self.eos_token_ids = set(mc.eos_token_ids) | generation_eos_ids(loaded.path)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -83,7 +90,11 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, self.structured)
         self.output = OutputProcessor(self.tokenizer, self.scheduler.finish)
-        self.spec = self._spec_decoder(config, progress) if spec is not None else None
+        self.spec = (
+            spec_decoder(config, self.model, self.model_config, self.kv, self.storage, self.structured, progress)
+            if spec is not None
+            else None
+        )
         self.requests: dict[str, list[Request]] = {}  # request id -> its n samples
         self.faults = Faults(config.env.faults)
         self.prefills = {"remote": 0, "local": 0}  # prompts by where their KV was computed
@@ -97,26 +108,10 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
 
-    def _spec_decoder(self, config: EngineConfig, progress: bool) -> SpecDecoder:
-        spec = config.speculative
-        assert spec is not None
-        draft = None
-        if spec.method == "mtp":
-            from baton.spec_decode.mtp import MtpProposer
-
-            draft = MtpProposer(self.model, self.kv, self.storage)
-        if spec.method == "suffix":
-            from baton.spec_decode.suffix import SuffixProposer
-
-            draft = SuffixProposer(spec)
-        if spec.method == "draft_model":
-            from baton.spec_decode.draft_model import DraftModelProposer
-
-            draft = DraftModelProposer(config, self.model_config, progress)
-        return SpecDecoder(spec, draft, self.structured.allowed_drafts)
-
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do on one rank)."""
+        """Finish the KV tier's writes; stop the other tensor-parallel ranks."""
+        if self.tier is not None:
+            self.tier.close()
         if self.ranks is not None:
             self.ranks.stop()
 
@@ -170,6 +165,8 @@ class LLMEngine:
             self._attach_grammar(req)
             samples.append(req)
             self.scheduler.add(req)
+        if self.tier is not None and not samples[0].needs_prompt_logits:
+            self.tier.track(samples[0])
         self.requests[request_id] = samples
         self.prefills["local"] += 1
         return request_id
@@ -221,6 +218,8 @@ class LLMEngine:
         for req in self.requests.pop(request_id, []):
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
+            if self.tier is not None:
+                self.tier.forget(req.request_id)
         if self.spec is not None:
             self.spec.release(self._live_requests())
 
@@ -235,10 +234,15 @@ class LLMEngine:
         """Advance every scheduled request by one forward pass. If the pass raises, the requests
         of this step are aborted (their blocks freed) and StepFailed names them; the engine stays
         usable for everything else: nothing of the failed step is left behind."""
-        return self.run(self.schedule())
+        batch = self.schedule()
+        if not batch.scheduled and self.tier is not None:
+            self.tier.wait(0.005)  # nothing runs until a lookup is done: wait for it, not spin
+        return self.run(batch)
 
     def schedule(self) -> SchedulerOutput:
         """The step's batch, with the imports it admitted written into their blocks."""
+        if self.tier is not None:
+            self.tier.before_schedule()
         batch = self.scheduler.schedule()
         self.prefills["local"] += len(batch.dropped_imports)
         for req in batch.imported:
@@ -319,6 +323,8 @@ class LLMEngine:
         for s in batch.scheduled:
             if not s.request.is_finished and s.request.export_kv is None:  # exports keep every position
                 self.kv.remove_skipped_blocks(s.request.request_id, s.request.num_computed_tokens)
+        if self.tier is not None:  # before the next schedule reuses any block
+            self.tier.after_step()
         if self.spec is not None:
             self.spec.release(self._live_requests())
             self.spec.propose(self.scheduler.running)
@@ -388,5 +394,7 @@ class LLMEngine:
             out = request_output(rid, samples)
             if out.finished:
                 del self.requests[rid]
+                for req in samples if self.tier is not None else ():
+                    self.tier.forget(req.request_id)
             outs.append(out)
         return outs

@@ -61,3 +61,25 @@ def kv_cache_dtype(config: EngineConfig, rank_model: RankModel) -> torch.dtype:
     """The dtype of the KV cache every rank allocates (CacheConfig.kv_torch_dtype_name)."""
     gguf_blocks = config.model.keep_gguf_blocks and rank_model.loaded.path.suffix == ".gguf"
     return getattr(torch, config.cache.kv_torch_dtype_name(config.model.torch_dtype_name, gguf_blocks))
+
+
+def spec_decoder(config: EngineConfig, model, model_config: TextModelConfig, kv, storage, structured, progress: bool):
+    """The speculative decoder of `config.speculative`, with its drafter."""
+    from baton.spec_decode.decoder import SpecDecoder
+
+    spec = config.speculative
+    assert spec is not None
+    draft = None
+    if spec.method == "mtp":
+        from baton.spec_decode.mtp import MtpProposer
+
+        draft = MtpProposer(model, kv, storage)
+    if spec.method == "suffix":
+        from baton.spec_decode.suffix import SuffixProposer
+
+        draft = SuffixProposer(spec)
+    if spec.method == "draft_model":
+        from baton.spec_decode.draft_model import DraftModelProposer
+
+        draft = DraftModelProposer(config, model_config, progress)
+    return SpecDecoder(spec, draft, structured.allowed_drafts)

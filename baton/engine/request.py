@@ -70,6 +70,7 @@ class Request:
         # it makes computed once written
         self.kv_import = None
         self.num_imported_tokens = 0
+        self.tier_load = None  # a second KV tier's lookup of this prompt (a Future), adopted at admission
         self.cache_salt = b""  # part of every block hash: requests with different salts never share blocks
         self.bad_words_token_ids: list[list[int]] = []  # params.bad_words, tokenized by the engine
         self.matcher = None  # structured outputs: the llguidance matcher of params.structured_outputs
@@ -102,6 +103,9 @@ class Request:
         return wants and self.num_computed_tokens < self.num_prompt_tokens
 
     def ready_to_schedule(self) -> bool:
-        """n > 1 samples after the first wait until the first has computed the shared prompt."""
+        """n > 1 samples after the first wait until the first has computed the shared prompt; a
+        prompt a second KV tier is looking up waits for the lookup."""
+        if self.tier_load is not None and not self.tier_load.done():
+            return False
         lead = self.leader
         return lead is None or lead.is_finished or lead.num_computed_tokens >= lead.num_prompt_tokens

@@ -4,7 +4,7 @@ all under one token budget per step; preempt the newest request when KV runs out
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -53,6 +53,8 @@ class Scheduler:
         self.prefix_lost_tokens = 0  # the paged groups had them, but no state checkpoint was there
         self.group_hit_tokens = dict.fromkeys(group_labels(kv.spec), 0)  # tokens each group served from cache
         self._kept: list[str] | None = None  # requests finished inside keep_blocks
+        # a second KV tier: puts what its lookup of a request found into the prefix cache
+        self.adopt_from_tier: Callable[[Request], None] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -110,6 +112,8 @@ class Scheduler:
                     continue
             cached = kv_tokens = 0
             if req.num_computed_tokens == 0 and not req.needs_prompt_logits and self.kv.enable_prefix_caching:
+                if req.tier_load is not None and self.adopt_from_tier is not None:
+                    self.adopt_from_tier(req)
                 hit = self.kv.find_cached_prefix(req.request_id, req.token_ids, req.cache_salt)
                 cached, kv_tokens = hit.num_tokens, hit.kv_tokens
                 if self._wait_for_shared_prefix(req, cached):

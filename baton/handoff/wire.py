@@ -44,9 +44,16 @@ _BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}  # dtype
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
+    return bytes(tensor_view(t))
+
+
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """A tensor's raw little-endian bytes, without a copy where it is contiguous on this CPU."""
     t = t.contiguous().cpu()
     arr = (t.view(_BITS[t.dtype]) if t.dtype in _BITS else t).numpy()
-    return arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+    if arr.size == 0:
+        return memoryview(b"")
+    return memoryview(np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))).cast("B")
 
 
 def checksum(data: bytes | memoryview) -> str:
@@ -88,20 +95,29 @@ def encode(span: KVSpan, secret: bytes) -> bytes:
     return frame(header, b"".join(body), secret)
 
 
-def frame(header: dict, body: bytes, secret: bytes, magic: bytes = MAGIC) -> bytes:
+def frame(header: dict, body: bytes | list[memoryview], secret: bytes, magic: bytes = MAGIC) -> bytes:
     """Frame and sign a header and body (tests use it to re-sign what they edited); `magic` names
-    the kind of value (a KV span's by default, a KV tier object's: baton/kv/tier_objects.py)."""
+    the kind of value (a KV span's by default, a KV tier object's: baton/kv/tier_objects.py). A body
+    given as its parts is signed part by part and joined once."""
     head = json.dumps(header, separators=(",", ":")).encode()
-    signed = b"".join(
-        (magic, struct.pack("<I", len(head)), head, struct.pack("<Q", xxhash.xxh64_intdigest(head)), body)
-    )
-    return signed + sign(signed, secret)
+    parts = [magic, struct.pack("<I", len(head)), head, struct.pack("<Q", xxhash.xxh64_intdigest(head))]
+    parts += body if isinstance(body, list) else [body]
+    mac = _hmac(secret)
+    for part in parts:
+        mac.update(part)
+    return b"".join([*parts, mac.digest()])
 
 
 def sign(data: bytes | memoryview, secret: bytes) -> bytes:
+    mac = _hmac(secret)
+    mac.update(data)
+    return mac.digest()
+
+
+def _hmac(secret: bytes):
     if not isinstance(secret, bytes) or not secret:
         raise ValueError("a KV span secret is a non-empty bytes value")
-    return hmac.new(secret, data, hashlib.sha256).digest()
+    return hmac.new(secret, digestmod=hashlib.sha256)
 
 
 def read_header(blob: bytes, secret: bytes, magic: bytes = MAGIC) -> tuple[dict, memoryview]:

@@ -4,7 +4,7 @@ window freeing; its state slots and checkpoints are state_plan.py's part of it."
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -53,6 +53,10 @@ class KVManager(StateCheckpointing):
         self._hits: dict[str, PrefixHit] = {}
         self._init_state(spec, num_state_slots, num_checkpoints if enable_prefix_caching else 0, checkpoint_interval)
         self._scheduled: dict[str, tuple] = {}  # request -> (token_ids, start, end, salt) of this step
+        # with a second KV tier: what each step published, (request, block index, block id per group),
+        # for the tier to copy out before the blocks can be reused
+        self.record_published = False
+        self.published_blocks: list[tuple[str, int, tuple[int, ...]]] = []
 
     # ---- queries -------------------------------------------------------------------------------
     def num_free_blocks(self, group_id: int) -> int:
@@ -94,29 +98,45 @@ class KVManager(StateCheckpointing):
         parent = hashes[i - 1] if i else None
         return self.pools[group_id].lookup(hashes[i], parent, tuple(token_ids[i * bs : (i + 1) * bs]))
 
-    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int], salt: bytes = b"") -> PrefixHit:
+    def find_cached_prefix(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        salt: bytes = b"",
+        tier_block: Callable[[int], bool] | None = None,
+        tier_state: Callable[[int], bool] | None = None,
+    ) -> PrefixHit:
         """The longest L (a block multiple, < len(token_ids)) that every group can serve from cache;
-        `allocate_slots` takes it with `num_cached_tokens=hit.num_tokens`."""
+        `allocate_slots` takes it with `num_cached_tokens=hit.num_tokens`. With `tier_block` and
+        `tier_state` (block indices and state positions a second KV tier brought), the L the cache
+        and that tier could serve together, which `adopt_blocks` and `adopt_checkpoint` then make
+        the cache's (nothing is recorded for allocation)."""
         if not self.enable_prefix_caching:
             return PrefixHit()
         bs = self.block_size
         hashes = self._block_hashes(request_id, token_ids, salt)
         max_blocks = min(len(hashes), (len(token_ids) - 1) // bs)
+
+        def has_block(g: KVGroup, i: int) -> bool:
+            cached = self._lookup(g.group_id, i, hashes, token_ids) is not None
+            return cached or (tier_block is not None and tier_block(i))
+
         contiguous = {}
         for g in self.spec.groups:
             if not g.kind.is_sliding:
                 n = 0
-                while n < max_blocks and self._lookup(g.group_id, n, hashes, token_ids) is not None:
+                while n < max_blocks and has_block(g, n):
                     n += 1
                 contiguous[g.group_id] = n
 
         def has_positions(g: KVGroup, lo: int, hi: int) -> bool:
             if not g.kind.is_sliding:
                 return hi // bs <= contiguous[g.group_id]
-            return all(self._lookup(g.group_id, i, hashes, token_ids) is not None for i in range(lo // bs, hi // bs))
+            return all(has_block(g, i) for i in range(lo // bs, hi // bs))
 
         def has_state(num_tokens: int) -> bool:
-            return self.checkpoints.lookup(hashes[num_tokens // bs - 1]) is not None
+            local = self.checkpoints.lookup(hashes[num_tokens // bs - 1]) is not None
+            return local or (tier_state is not None and tier_state(num_tokens))
 
         candidates = [k * bs for k in range(1, max_blocks + 1)]
         kv_tokens = resumable_prefix(self.spec, candidates, has_positions, lambda _: True)
@@ -125,7 +145,8 @@ class KVManager(StateCheckpointing):
         else:
             num = resumable_prefix(self.spec, [c for c in candidates if c <= kv_tokens], has_positions, has_state)
             hit = PrefixHit(num, kv_tokens, self.checkpoints.lookup(hashes[num // bs - 1]) if num else None)
-        self._hits[request_id] = hit
+        if tier_block is None and tier_state is None:
+            self._hits[request_id] = hit
         return hit
 
     def shared_prefix(self, a: str, a_tokens: Sequence[int], b: str, b_tokens: Sequence[int], salts: tuple) -> int:
@@ -186,6 +207,7 @@ class KVManager(StateCheckpointing):
                 for b in hit_blocks[g.group_id]:
                     self.pools[g.group_id].touch(b)
                 tables[g.group_id] = [NULL_BLOCK] * first + hit_blocks[g.group_id]
+            self._num_published[request_id] = num_cached_tokens // bs  # found by lookup: published
         for g, (first_needed, num_new) in zip(self.spec.groups, plans):
             table = tables[g.group_id]
             self._drop_before(g.group_id, table, first_needed)
@@ -249,8 +271,52 @@ class KVManager(StateCheckpointing):
             for pool, table in zip(self.pools, tables):
                 if table[i] != NULL_BLOCK:
                     pool.publish(table[i], hashes[i], parent, tokens)
+            if self.record_published:
+                self.published_blocks.append((request_id, i, tuple(table[i] for table in tables)))
         self._num_published[request_id] = max(done, num_computed_tokens // bs)
         self._publish_snapshots(request_id, num_computed_tokens)
+
+    def adopt_blocks(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        salt: bytes,
+        needed: list[range],
+        available: Callable[[int], bool],
+        write: Callable[[int, list[int], list[int]], None],
+    ) -> bool:
+        """Put blocks a second KV tier brought into the prefix cache, as cached free blocks a prefix
+        lookup then finds: per group, the block indices `needed[group]` of this request's prefix that
+        the cache lacks get new blocks, which `write(group, block_ids, indices)` fills, published
+        under the request's block hashes. The blocks the cache has are held meanwhile, so taking
+        new ones never evicts them. All or nothing: False, changing nothing, when a needed block is
+        neither cached nor `available(index)`, or a pool lacks room."""
+        hashes = self._block_hashes(request_id, token_ids, salt)
+        plans = []
+        for g, pool in zip(self.spec.groups, self.pools):
+            held, missing = [], []
+            for i in needed[g.group_id]:
+                b = self._lookup(g.group_id, i, hashes, token_ids)
+                if b is not None:
+                    held.append(b)
+                elif available(i):
+                    missing.append(i)
+                else:
+                    return False
+            if len(missing) > pool.num_free - sum(1 for b in held if pool.is_free(b)):
+                return False
+            plans.append((held, missing))
+        bs = self.block_size
+        for g, pool, (held, missing) in zip(self.spec.groups, self.pools, plans):
+            for b in held:
+                pool.touch(b)
+            new = pool.allocate(len(missing))
+            if missing:
+                write(g.group_id, new, missing)
+            for b, i in zip(new, missing):
+                pool.publish(b, hashes[i], hashes[i - 1] if i else None, tuple(token_ids[i * bs : (i + 1) * bs]))
+            pool.free(held + list(reversed(new)))
+        return True
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Release sliding-group blocks no later query can read."""

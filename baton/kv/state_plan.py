@@ -23,6 +23,7 @@ class StateCheckpointing:
     _hits: dict[str, PrefixHit]
     _scheduled: dict[str, tuple]
     _block_hashes: Callable[[str, Sequence[int], bytes], list[bytes]]
+    record_published: bool
 
     def _init_state(
         self, spec: KVSpec, num_state_slots: int, num_checkpoints: int, checkpoint_interval: int | None
@@ -43,6 +44,8 @@ class StateCheckpointing:
         self._checkpoint_at: dict[str, set[int]] = {}  # request -> positions to checkpoint besides the grid
         self._prompt_boundary: dict[str, int] = {}  # request -> last block boundary below its prompt's end
         self._rolling: dict[str, int] = {}  # request -> its latest checkpoint past the prompt
+        # with a second KV tier: checkpoints published this step, (request, id, block hash, num_tokens)
+        self.published_checkpoints: list[tuple[str, int, bytes, int]] = []
 
     def request_checkpoint(self, request_id: str, num_tokens: int) -> None:
         """Ask a running request to checkpoint its state at `num_tokens` when it passes there (a
@@ -109,18 +112,50 @@ class StateCheckpointing:
             if existing is not None:
                 self.checkpoints.touch(existing)
                 continue
-            got = self.checkpoints.reserve()
-            if got is None:
+            cid = self._reserve_checkpoint()
+            if cid is None:
                 break
-            cid, evicted = got
-            if evicted is not None:
-                if evicted.owner is not None and self._rolling.get(evicted.owner) == cid:
-                    del self._rolling[evicted.owner]  # a running request's latest: gone, not to be freed again
-                self._release_prefix(evicted)
             planned.append((num_tokens, cid))
         planned.sort()
         if not planned:
             del self.pending_snapshots[request_id]
+
+    def _reserve_checkpoint(self) -> int | None:
+        got = self.checkpoints.reserve()
+        if got is None:
+            return None
+        cid, evicted = got
+        if evicted is not None:
+            if evicted.owner is not None and self._rolling.get(evicted.owner) == cid:
+                del self._rolling[evicted.owner]  # a running request's latest: gone, not to be freed again
+            self._release_prefix(evicted)
+        return cid
+
+    def adopt_checkpoint(
+        self, request_id: str, token_ids: Sequence[int], salt: bytes, num_tokens: int, write: Callable[[int], None]
+    ) -> bool:
+        """Put a state a second KV tier brought into the checkpoint pool, published at `num_tokens`
+        of this request's prefix: `write(checkpoint id)` fills it. False when every checkpoint is
+        in use; True (and nothing written) when the pool has one there already."""
+        hashes = self._block_hashes(request_id, token_ids[:num_tokens], salt)
+        k = num_tokens // self.block_size
+        if self.checkpoints.lookup(hashes[k - 1]) is not None:
+            return True
+        cid = self._reserve_checkpoint()
+        if cid is None:
+            return False
+        write(cid)
+        self._publish_checkpoint(request_id, cid, hashes[:k], num_tokens)
+        return True
+
+    def _publish_checkpoint(self, request_id: str, cid: int, prefix_hashes: list[bytes], num_tokens: int) -> bool:
+        if not self.checkpoints.publish(cid, prefix_hashes[-1], num_tokens, tuple(prefix_hashes)):
+            return False
+        for h in prefix_hashes:
+            self._block_uses[h] = self._block_uses.get(h, 0) + 1
+        if self.record_published:
+            self.published_checkpoints.append((request_id, cid, prefix_hashes[-1], num_tokens))
+        return True
 
     def _publish_snapshots(self, request_id: str, num_computed_tokens: int) -> None:
         self._scheduled.pop(request_id, None)
@@ -128,11 +163,8 @@ class StateCheckpointing:
         hashes = self._hashes[request_id]
         for num_tokens, cid in planned:
             assert num_tokens <= num_computed_tokens, "a snapshot past what the forward computed"
-            k = num_tokens // self.block_size
-            if not self.checkpoints.publish(cid, hashes[k - 1], num_tokens, tuple(hashes[:k])):
+            if not self._publish_checkpoint(request_id, cid, hashes[: num_tokens // self.block_size], num_tokens):
                 continue
-            for h in hashes[:k]:
-                self._block_uses[h] = self._block_uses.get(h, 0) + 1
             if num_tokens > self._prompt_boundary.get(request_id, 0):  # past the prompt: keep only the latest
                 previous = self._rolling.get(request_id)
                 self._rolling[request_id] = cid

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from baton.handoff.errors import InvalidKVImport
-from baton.handoff.wire import checksum, frame, read_header, tensor_bytes, tensor_from_bytes
+from baton.handoff.wire import checksum, frame, read_header, tensor_from_bytes, tensor_view
 
 MAGIC = b"BATONKT1"
 LAYOUT_VERSION = 1
@@ -62,13 +62,16 @@ def namespace_digest(fingerprint: dict, kv_dtype: str, geometry: dict) -> bytes:
     return hashlib.sha256(json.dumps(material, sort_keys=True, separators=(",", ":")).encode()).digest()
 
 
-def chunk_keys(namespace: bytes, token_ids: Sequence[int], chunk_tokens: int, salt: bytes = b"") -> list[bytes]:
+def chunk_keys(
+    namespace: bytes, token_ids: Sequence[int], chunk_tokens: int, salt: bytes = b"", parent: bytes | None = None
+) -> list[bytes]:
     """The key of each whole chunk of `chunk_tokens` tokens: key_i = SHA-256(namespace, salt,
-    key_{i-1}, chunk i's tokens)."""
+    key_{i-1}, chunk i's tokens); `parent`: the key of the chunk before `token_ids` (they go on a
+    chain already begun)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     keys: list[bytes] = []
-    parent = b"\0" * 32
+    parent = parent or b"\0" * 32
     for i in range(len(token_ids) // chunk_tokens):
         h = hashlib.sha256()
         h.update(namespace)
@@ -99,7 +102,7 @@ def encode_object(
         raise ValueError(f"an object is of kind {KINDS} over its positions' tokens")
     body, entries, offset = [], [], 0
     for name, t in tensors:
-        raw = tensor_bytes(t)
+        raw = tensor_view(t)
         dtype = str(t.dtype).removeprefix("torch.")
         entries.append(
             {
@@ -114,7 +117,7 @@ def encode_object(
         body.append(raw)
         offset += len(raw)
     header = {**_identity(kind, key, start, end, tokens), "tensors": entries}
-    return frame(header, b"".join(body), secret, MAGIC)
+    return frame(header, body, secret, MAGIC)
 
 
 def _identity(kind: str, key: bytes, start: int, end: int, tokens: Sequence[int]) -> dict:
@@ -143,7 +146,9 @@ def decode_object(
     try:
         header, body = read_header(blob, secret, MAGIC)
     except InvalidKVImport as e:
-        raise BadTierObject(str(e)) from None
+        if e.field == "hmac":
+            raise BadTierObject("signature: not made with this tier's secret") from None
+        raise BadTierObject(f"{e.field}: expected {e.expected}, got {str(e.received)[:80]}") from None
     for field, value in _identity(kind, key, start, end, tokens).items():
         if header.get(field) != value:
             raise BadTierObject(f"{field}: expected {str(value)[:80]}, got {str(header.get(field))[:80]}")

@@ -3,8 +3,10 @@
 A key is 32 bytes (a SHA-256 the caller derives from what the object must match); a value is the
 object's bytes, which the caller validates: a store only keeps bytes. `DiskStore` is a directory any
 number of processes on one host share: an object is written to a private temporary file and
-renamed into place (a reader never sees half an object, whatever crashes when), and the budget is
-kept under an exclusive lock on the directory, so it holds whichever process writes.
+renamed into place (a reader never sees an object a dying process half wrote; one a power loss
+tore fails the caller's checks), and the budget is
+kept under an exclusive lock on the directory, so it holds whichever process writes (a running total
+in `.bytes`; a scan evicts and corrects it when a write would pass the budget).
 `RedisStore` keeps objects in Redis or Valkey, its byte budget and recency in two more keys, each
 write and its evictions one atomic script. `TieredStore` reads the first store that has a key
 (disk, then Redis) and writes every store.
@@ -26,13 +28,14 @@ SUFFIX = ".kv"
 
 
 class TierStore(Protocol):
-    def put(self, key: bytes, value: bytes) -> None:
+    def put(self, key: bytes, value: bytes, age: float = 0.0) -> None:
         """Keep `value` under `key` (a key already kept: only its recency moves), evicting the least
         recently used objects until the store is within its budget; a value over the whole budget
-        is not kept."""
+        is not kept. `age`: seconds the use is dated back (a prompt's later blocks are older than
+        its first, so a prefix loses its tail first: its head is what other prompts share)."""
 
-    def get(self, key: bytes) -> bytes | None:
-        """The value, or None; a hit counts as a use."""
+    def get(self, key: bytes, age: float = 0.0) -> bytes | None:
+        """The value, or None; a hit counts as a use (dated back `age` seconds)."""
 
     def contains(self, key: bytes) -> bool: ...
 
@@ -61,6 +64,7 @@ class DiskStore:
         (self.root / "tmp").mkdir(exist_ok=True)
         self._lock_path = self.root / ".lock"
         self._lock_path.touch(exist_ok=True)
+        self._total_path = self.root / ".bytes"
 
     def _path(self, key: bytes) -> Path:
         name = _check_key(key)
@@ -90,52 +94,78 @@ class DiskStore:
                     found.append((st.st_mtime, st.st_size, Path(entry.path)))
         return found
 
-    def put(self, key: bytes, value: bytes) -> None:
+    def put(self, key: bytes, value: bytes, age: float = 0.0) -> None:
         path = self._path(key)
         if len(value) > self.max_bytes:
             return
-        if self._touch(path):
+        if self._touch(path, age):
             return
         tmp = self.root / "tmp" / f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}"
         try:
+            # no fsync (it cost more than the rest of a write): a process that dies mid-write leaves
+            # only its temporary file, and an object torn by a power loss fails its signature check
             with open(tmp, "wb") as f:
                 f.write(value)
-                f.flush()
-                os.fsync(f.fileno())
             with self._locked():
-                objects = self._objects()
-                total = sum(size for _, size, _ in objects) + len(value)
-                for _, size, victim in sorted(objects):
-                    if total <= self.max_bytes:
-                        break
-                    victim.unlink(missing_ok=True)
-                    total -= size
+                if path.exists():  # another process wrote it meanwhile
+                    return
+                total = self._read_total() + len(value)
+                if total > self.max_bytes:  # evict by a scan, which also corrects the running total
+                    objects = self._objects()
+                    total = sum(size for _, size, _ in objects) + len(value)
+                    for _, size, victim in sorted(objects):
+                        if total <= self.max_bytes:
+                            break
+                        victim.unlink(missing_ok=True)
+                        total -= size
                 path.parent.mkdir(exist_ok=True)
                 os.replace(tmp, path)
+                self._touch(path, age)
+                self._write_total(total)
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _touch(self, path: Path) -> bool:
+    def _read_total(self) -> int:
+        """The running total of object bytes (kept under the lock; a scan when it is unreadable)."""
         try:
-            os.utime(path)
+            return int(self._total_path.read_text())
+        except (FileNotFoundError, ValueError):
+            return sum(size for _, size, _ in self._objects())
+
+    def _write_total(self, total: int) -> None:
+        tmp = self._total_path.with_suffix(f".{os.getpid()}")
+        tmp.write_text(str(total))
+        os.replace(tmp, self._total_path)
+
+    def _touch(self, path: Path, age: float = 0.0) -> bool:
+        stamp = time.time() - age
+        try:
+            os.utime(path, (stamp, stamp))
             return True
         except FileNotFoundError:
             return False
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes, age: float = 0.0) -> bytes | None:
         path = self._path(key)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
-        self._touch(path)
+        self._touch(path, age)
         return data
 
     def contains(self, key: bytes) -> bool:
         return self._path(key).exists()
 
     def delete(self, key: bytes) -> None:
-        self._path(key).unlink(missing_ok=True)
+        path = self._path(key)
+        with self._locked():
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                return
+            self._write_total(max(0, self._read_total() - size))
 
     def nbytes(self) -> int:
         return sum(size for _, size, _ in self._objects())
@@ -189,14 +219,14 @@ class RedisStore:
     def _key(self, key: bytes) -> str:
         return f"{self.namespace}:obj:{_check_key(key)}"
 
-    def put(self, key: bytes, value: bytes) -> None:
-        self._put(keys=[self._key(key), self._lru, self._total], args=[value, self.max_bytes, time.time()])
+    def put(self, key: bytes, value: bytes, age: float = 0.0) -> None:
+        self._put(keys=[self._key(key), self._lru, self._total], args=[value, self.max_bytes, time.time() - age])
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes, age: float = 0.0) -> bytes | None:
         name = self._key(key)
         value = self._client.get(name)
         if value is not None:
-            self._client.zadd(self._lru, {name: time.time()}, xx=True)
+            self._client.zadd(self._lru, {name: time.time() - age}, xx=True)
         return value
 
     def contains(self, key: bytes) -> bool:
@@ -221,16 +251,16 @@ class TieredStore:
             raise ValueError("a tiered store needs a store")
         self.stores = stores
 
-    def put(self, key: bytes, value: bytes) -> None:
+    def put(self, key: bytes, value: bytes, age: float = 0.0) -> None:
         for store in self.stores:
-            store.put(key, value)
+            store.put(key, value, age)
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes, age: float = 0.0) -> bytes | None:
         for i, store in enumerate(self.stores):
-            value = store.get(key)
+            value = store.get(key, age)
             if value is not None:
                 for nearer in self.stores[:i]:
-                    nearer.put(key, value)
+                    nearer.put(key, value, age)
                 return value
         return None
 

@@ -71,6 +71,8 @@ class EngineCollector:
             )
             yield GaugeMetricFamily("baton_state_slots_total", "State slots", value=e.kv.num_state_slots)
         yield CounterMetricFamily("baton_preemptions", "Requests preempted for KV memory", value=s.num_preemptions)
+        if e.tier is not None:
+            yield from tier_metrics(e.tier.metrics())
         so = e.structured
         yield CounterMetricFamily(
             "baton_grammars_compiled", "Distinct output constraints compiled", value=so.num_compiled
@@ -153,3 +155,22 @@ class ServerMetrics:
             if output_tokens > 1:
                 self.tpot.observe((e2e - ttft) / (output_tokens - 1))
         self.e2e.observe(e2e)
+
+
+TIER_METRICS = {
+    "hit_tokens": "Prompt tokens served from the second KV tier",
+    "miss_tokens": "Prompt tokens looked up in the second KV tier past the prefix cache and not found",
+    "bytes_read": "Bytes read from the second KV tier",
+    "bytes_written": "Bytes written to the second KV tier",
+    "objects_written": "Objects written to the second KV tier",
+    "load_seconds": "Seconds spent loading and verifying second-tier objects (off the engine thread)",
+    "bad_objects": "Second-tier objects that failed a check: deleted, recomputed",
+    "writes_dropped": "Second-tier writes dropped over the pending-bytes budget",
+    "loads_cut": "Second-tier loads cut short at the pending-bytes budget",
+    "errors": "Second-tier store operations that failed (I/O, connection)",
+}
+
+
+def tier_metrics(stats: dict[str, float]):
+    for name, doc in TIER_METRICS.items():
+        yield CounterMetricFamily(f"baton_kv_tier_{name}", doc, value=stats[name])
