@@ -120,7 +120,17 @@ def _lying_header(data: bytes, llm, secret: bytes) -> bytes:
     return frame(header, bytes(body), secret, MAGIC)
 
 
-HOSTILE = {"flipped byte": _flip, "truncated": _truncate, "other secret": _other_secret, "lying header": _lying_header}
+def _oversized(data: bytes, llm, secret: bytes) -> bytes:
+    return data + bytes(2 << 20)  # past what the object can be: deleted unread
+
+
+HOSTILE = {
+    "flipped byte": _flip,
+    "truncated": _truncate,
+    "other secret": _other_secret,
+    "lying header": _lying_header,
+    "oversized": _oversized,
+}
 
 
 def test_bad_objects_are_counted_deleted_misses_with_a_cold_engines_tokens(llama, tmp_path):
@@ -271,3 +281,17 @@ def test_tier_keys_are_the_same_in_every_process():
         )
         .hexdigest()
     )
+
+
+def test_an_unreachable_store_costs_one_error_then_is_skipped(llama):
+    from baton.bench.procs import free_port
+
+    ids = [_ids(100, 40 + i) for i in range(4)]
+    cold = LLM(str(llama), progress=False, block_size=16)
+    expected = [o.outputs[0].token_ids for o in cold.generate([{"prompt_token_ids": p} for p in ids], GREEDY)]
+    llm = _tier_llm(str(llama), [f"redis://127.0.0.1:{free_port()}/0"])  # nothing listens there
+    for p, want in zip(ids, expected):
+        assert _run(llm, p).outputs[0].token_ids == want
+    llm.engine.tier.flush()
+    stats = llm.engine.tier.metrics()
+    assert stats["errors"] == 1 and stats["writes_dropped"] > 0 and llm.engine.kv.all_free()

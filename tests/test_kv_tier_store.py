@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
 import shutil
 import socket
 import subprocess
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from baton.kv.tier_store import DiskStore, RedisStore, TieredStore
+from baton.kv.tier_store import BadStoreEntry, DiskStore, RedisStore, TieredStore
 
 
 def key(i: int) -> bytes:
@@ -127,11 +128,13 @@ def test_redis_store_keeps_its_budget_least_recently_used_out(redis_url):
     store.close()
 
 
-def test_tiered_store_reads_the_nearest_and_fills_it(tmp_path, redis_url):
+def test_tiered_store_reads_the_nearest_and_fills_it_once_checked(tmp_path, redis_url):
     disk, far = DiskStore(tmp_path, 1 << 20), RedisStore(redis_url, 1 << 20, namespace=f"t{time.monotonic_ns()}")
     both = TieredStore([disk, far])
     far.put(key(1), b"from redis")
-    assert both.get(key(1)) == b"from redis" and disk.get(key(1)) == b"from redis"
+    assert both.get(key(1)) == (b"from redis", 1) and disk.get(key(1)) is None  # unchecked: not copied
+    both.fill(key(1), b"from redis", 0.0, 1)  # once the caller checked it
+    assert both.get(key(1)) == (b"from redis", 0)
     both.put(key(2), b"both")
     assert disk.get(key(2)) == far.get(key(2)) == b"both"
     both.delete(key(2))
@@ -146,3 +149,27 @@ def test_uses_dated_back_go_first_so_a_prefix_loses_its_tail_first(kind, tmp_pat
         store.put(key(block), bytes(300), age=10.0 * block)
     store.put(key(9), bytes(300))  # over the budget: the prompt's last block goes, not its first
     assert [store.contains(key(i)) for i in (0, 1, 2, 9)] == [True, True, False, True]
+
+
+def test_entries_no_object_can_be_are_deleted_unread(tmp_path, redis_url):
+    store = DiskStore(tmp_path, 1 << 20)
+    store.put(key(1), bytes(100))
+    with pytest.raises(BadStoreEntry, match="over 50"):
+        store.get(key(1), max_bytes=50)
+    assert not store.contains(key(1)) and store.nbytes() == 0
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not yours")
+    for i, make in enumerate((lambda p: p.symlink_to(secret), os.mkfifo, os.mkdir), 2):
+        path = store._path(key(i))
+        path.parent.mkdir(exist_ok=True)
+        make(path)
+        with pytest.raises(BadStoreEntry):
+            store.get(key(i), max_bytes=1 << 20)  # a pipe would block a plain open; a link would be followed
+        assert not os.path.lexists(path) or os.path.isdir(path)
+    assert secret.read_bytes() == b"not yours"
+    far = RedisStore(redis_url, 1 << 20, namespace=f"big{time.monotonic_ns()}")
+    far.put(key(1), bytes(100))
+    with pytest.raises(BadStoreEntry):
+        far.get(key(1), max_bytes=50)
+    assert not far.contains(key(1)) and far.nbytes() == 0
+    far.close()

@@ -1,19 +1,12 @@
-"""The engine's side of the second KV tier (stores: baton/kv/tier_store.py; objects:
-baton/kv/tier_objects.py): write what the prefix cache publishes, look up what a new prompt's
-prefix cache lacks, and put what a lookup found into the prefix cache when the request is admitted,
-where `kv.prefix`'s rule decides how much of it resumes.
-
-An object holds one block of a prompt: every paged group's rows of that block (an fp8 cache's
-scales of it too, so the bits come back exactly); a state object holds the recurrent state (a
-pooled indexer's open pool included) at a block boundary, copied from a published checkpoint.
-Only the engine thread touches the KV manager and the caches: it copies published blocks out at
-the end of a step and writes loaded ones in at admission. A writer thread encodes and stores,
-a loader thread fetches and verifies; the engine loop never waits for either.
-
-Writes go through at publish time (not at eviction): an object is in the tier once its block is
-computed, so a second worker or a restarted one finds it at once, and an eviction (the moment
-memory is short) costs nothing.
-"""
+"""The engine's side of the second KV tier (stores: kv/tier_store.py; objects: kv/tier_objects.py,
+what they hold: kv/tier_layout.py): write through what the prefix cache publishes, look up what a
+new prompt's prefix cache lacks, and at admission put what was found into the prefix cache, as far
+as `kv.prefix`'s rule resumes. Only the engine thread touches the KV manager and the caches (it
+copies published blocks out at the end of a step, writes loaded ones in at admission); a writer
+thread encodes and stores, a loader thread fetches and verifies. The engine waits for neither,
+beyond a 2 ms grace for fresh lookups (`before_schedule`). Writes go at publish time, not at
+eviction: a block is in the tier once computed, so another worker or a restarted one finds it at
+once, and an eviction (when memory is short) costs nothing."""
 
 from __future__ import annotations
 
@@ -25,16 +18,14 @@ from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, fields
 from functools import partial
-from typing import Any
 
 import torch
 
 from baton.config import EngineConfig
 from baton.kv.manager import NULL_BLOCK, KVManager
-from baton.kv.prefix import needed_start
-from baton.kv.spec import STATE_DTYPE, KVSpec
 from baton.kv.state import StateStorage
-from baton.kv.storage import FP8, KVStorage
+from baton.kv.storage import KVStorage
+from baton.kv.tier_layout import TierLayout, geometry
 from baton.kv.tier_objects import (
     BadTierObject,
     TensorSpec,
@@ -44,12 +35,18 @@ from baton.kv.tier_objects import (
     namespace_digest,
     state_key,
 )
-from baton.kv.tier_store import DiskStore, RedisStore, TieredStore
+from baton.kv.tier_store import BadStoreEntry, open_stores
 
 logger = logging.getLogger(__name__)
 
 _KNOWN_KEYS = 1 << 16  # keys written or read lately: not copied out again
+_BACKOFF_S = 30.0  # a failed store is not asked again for this long
+_MAX_FRAME_BYTES = 1 << 20  # an object's header and framing, at most: a bigger file is not read
 _AGE_PER_BLOCK = 1e-3  # seconds a block's use is dated back per block before it: tails are evicted first
+
+
+class _Skipped(Exception):
+    """A write while the store is backed off."""
 
 
 @dataclass
@@ -93,48 +90,23 @@ def _lowest_priority() -> None:
         pass
 
 
-def open_store(urls: list[str], max_bytes: int) -> TieredStore:
-    stores: list[Any] = []
-    for url in urls:
-        if url.startswith("disk:"):
-            stores.append(DiskStore(url.removeprefix("disk:"), max_bytes))
-        else:
-            stores.append(RedisStore(url.replace("valkey", "redis", 1), max_bytes))
-    return TieredStore(stores)
-
-
-def geometry(spec: KVSpec) -> dict:
-    """What a tier object's tensors depend on besides the model and the KV dtype."""
-    return {
-        "block_size": spec.block_size,
-        "groups": [
-            [g.kind.name, g.kind.window, g.kind.pool, list(g.layer_ids), g.num_kv_heads, g.head_dim, g.v_head_dim]
-            for g in spec.groups
-        ],
-        "state_groups": [[list(g.layer_ids), [list(s) for s in g.state_shapes]] for g in spec.state_groups],
-    }
-
-
 class KVTier:
     def __init__(
         self, config: EngineConfig, kv: KVManager, storage: KVStorage, states: StateStorage | None, fingerprint: dict
     ) -> None:
         tc = config.kv_tier
         self.secret = config.kv_tier_secret_bytes()
-        self.store = open_store(tc.kv_tier, tc.kv_tier_bytes)
+        self.store = open_stores(tc.kv_tier, tc.kv_tier_bytes)
         self.kv, self.storage, self.states = kv, storage, states
         self.block_size = kv.block_size
         self.namespace = namespace_digest(fingerprint, str(storage.dtype), geometry(kv.spec))
-        self.block_specs = self._block_specs()
-        self.state_specs = [
-            TensorSpec(f"s{g}.{j}", (t.shape[0], *t.shape[2:]), STATE_DTYPE)
-            for g, tensors in enumerate(states.checkpoints if states is not None and kv.spec.has_state else [])
-            for j, t in enumerate(tensors)
-        ]
+        self.layout = TierLayout(kv.spec, storage, states)
+        self.block_specs, self.state_specs = self.layout.block_specs, self.layout.state_specs
         self.max_pending = tc.kv_tier_max_pending_bytes
         self.stats = TierStats()
         self._lock = threading.Lock()  # the stats and the pending bytes: three threads count
         self._pending = 0
+        self._down_until = 0.0  # monotonic time until which a failed store is skipped
         self._tracked: dict[str, _Tracked] = {}
         self._fresh: list[Future] = []  # lookups submitted since the last schedule
         self._known: OrderedDict[bytes, None] = OrderedDict()
@@ -146,34 +118,6 @@ class KVTier:
         windows = [g.kind.window for g in kv.spec.groups if g.kind.is_sliding]
         self._window_blocks = max((-(-(w - 1) // self.block_size) + 1 for w in windows), default=0)
         kv.record_published = True
-
-    def _block_specs(self) -> list[TensorSpec]:
-        out = []
-        for g in self.kv.spec.groups:
-            k, v = self.storage.group_view(g.group_id)
-            rows = g.rows_per_block(self.block_size)
-            for name, t, scale in (("k", k, self.storage.k_scale), ("v", v, self.storage.v_scale)):
-                if t.shape[-1] == 0:  # MLA latents and pooled keys: K alone
-                    continue
-                out.append(TensorSpec(f"g{g.group_id}.{name}", (t.shape[0], rows, *t.shape[2:]), t.dtype))
-                if self.storage.dtype == FP8:
-                    s = scale[g.group_id]
-                    out.append(TensorSpec(f"g{g.group_id}.{name}_scale", (s.shape[0], s.shape[2]), s.dtype))
-        return out
-
-    def _block_views(self, group_id: int, block_id: int) -> list[torch.Tensor]:
-        """A block's rows of one group (and fp8 scales) in block_specs' order, as views."""
-        g = self.kv.spec.groups[group_id]
-        rows = g.rows_per_block(self.block_size)
-        k, v = self.storage.group_view(group_id)
-        out = []
-        for t, scale in ((k, self.storage.k_scale), (v, self.storage.v_scale)):
-            if t.shape[-1] == 0:
-                continue
-            out.append(t[:, block_id * rows : (block_id + 1) * rows])
-            if self.storage.dtype == FP8:
-                out.append(scale[group_id][:, block_id])
-        return out
 
     def _count(self, **deltas: float) -> None:
         with self._lock:
@@ -220,9 +164,20 @@ class KVTier:
 
     def _load(self, keys: list[bytes], tokens: list[int], first: int, lowest_state: int) -> TierLoad:
         start = time.perf_counter()
-        bs = self.block_size
         load = TierLoad(first, [], {}, 0)
-        for i in range(first, len(keys)):
+        try:
+            self._load_into(load, keys, tokens, lowest_state)
+        except BaseException:
+            self._release(load.nbytes)
+            raise
+        finally:
+            self._count(load_seconds=time.perf_counter() - start)
+        return load
+
+    def _load_into(self, load: TierLoad, keys: list[bytes], tokens: list[int], lowest_state: int) -> None:
+        """Blocks from `load.first` until one is missing (or the pending bytes are at their bound),
+        then the latest state at or below their end."""
+        for i in range(load.first, len(keys)):
             got = self._fetch("kv", keys[i], i, tokens, self.block_specs)
             if got is None:
                 break
@@ -232,28 +187,34 @@ class KVTier:
             load.blocks.append(got[0])
             load.nbytes += got[1]
         if self.state_specs:
-            for k in range(first + len(load.blocks), lowest_state, -1):  # the longest first
+            for k in range(load.first + len(load.blocks), lowest_state, -1):
                 got = self._fetch("state", state_key(keys[k - 1]), k - 1, tokens, self.state_specs)
                 if got is not None and self._reserve(got[1]):
-                    load.states[k * bs] = got[0]
+                    load.states[k * self.block_size] = got[0]
                     load.nbytes += got[1]
                     break
-        self._count(load_seconds=time.perf_counter() - start)
-        return load
 
     def _fetch(
         self, kind: str, key: bytes, block: int, tokens: list[int], specs: list[TensorSpec]
     ) -> tuple[list[torch.Tensor], int] | None:
-        """An object's verified tensors and size, or None: absent, unreadable, or bad (then deleted)."""
+        """An object's verified tensors and size, or None: absent, unreadable, or bad (then deleted).
+        A store that failed is skipped for `_BACKOFF_S`: lookups then cost nothing, not a timeout each."""
+        if time.monotonic() < self._down_until:
+            return None
         bs = self.block_size
+        nbytes = sum(s.nbytes for s in specs)
         try:
-            blob = self.store.get(key, block * _AGE_PER_BLOCK)
+            found = self.store.get(key, block * _AGE_PER_BLOCK, nbytes + _MAX_FRAME_BYTES)
+        except BadStoreEntry as e:  # deleted by the store
+            self._count(bad_objects=1)
+            logger.warning("kv tier object %s refused (%s): deleted, recomputed", key.hex()[:16], e)
+            return None
         except Exception as e:
-            self._count(errors=1)
-            logger.warning("kv tier read failed: %s", e)
+            self._store_failed("read", e)
             return None
-        if blob is None:
+        if found is None:
             return None
+        blob, where = found
         self._count(bytes_read=len(blob))
         try:
             tensors = decode_object(
@@ -264,16 +225,26 @@ class KVTier:
             logger.warning("kv tier object %s failed a check (%s): deleted, recomputed", key.hex()[:16], e)
             try:
                 self.store.delete(key)
-            except Exception:
-                self._count(errors=1)
+            except Exception as e:
+                self._store_failed("delete", e)
             return None
-        return tensors, sum(s.nbytes for s in specs)
+        try:
+            self.store.fill(key, blob, block * _AGE_PER_BLOCK, where)  # verified: now into the nearer stores
+        except Exception as e:
+            self._store_failed("write", e)
+        return tensors, nbytes
+
+    def _store_failed(self, what: str, e: Exception) -> None:
+        self._count(errors=1)
+        self._down_until = time.monotonic() + _BACKOFF_S
+        why = f"{type(e).__name__}: {e}"
+        logger.warning("kv tier %s failed (%s); the tier is skipped for %.0f s", what, why, _BACKOFF_S)
 
     def before_schedule(self, grace_s: float = 0.002) -> None:
         """Drop what a failed step published (never copied out), and give the lookups submitted
         since the last schedule `grace_s` to finish: a miss takes well under that, and its request
-        is then admitted in this step rather than the next (a step's delay for every new request
-        cost ~4 % of c8 throughput); a hit still loading waits in the queue as any lookup does."""
+        is then admitted in this step rather than a step later (every new request would otherwise
+        idle a step); a hit still loading waits in the queue as any lookup does."""
         self.kv.published_blocks.clear()
         self.kv.published_checkpoints.clear()
         fresh, self._fresh = self._fresh, []
@@ -313,16 +284,15 @@ class KVTier:
         local = self.kv.find_cached_prefix(rid, tokens, salt).num_tokens
         num = self.kv.find_cached_prefix(rid, tokens, salt, loaded.__contains__, load.states.__contains__).num_tokens
         if num > local:
-            write_state = lambda cid: self._write_state(cid, load.states[num])  # noqa: E731
-            if self.kv.spec.has_state and not self.kv.adopt_checkpoint(rid, tokens, salt, num, write_state):
-                num = local
-            needed = [range(needed_start(g, num) // bs, num // bs) for g in self.kv.spec.groups]
 
-            def write(group_id: int, block_ids: list[int], indices: list[int]) -> None:
+            def write_blocks(group_id: int, block_ids: list[int], indices: list[int]) -> None:
                 for b, i in zip(block_ids, indices):
-                    self._write_block(group_id, b, load.blocks[i - load.first])
+                    self.layout.write_block(group_id, b, load.blocks[i - load.first])
 
-            if num > local and not self.kv.adopt_blocks(rid, tokens, salt, needed, loaded.__contains__, write):
+            def write_state(cid: int) -> None:
+                self.layout.write_state(cid, load.states[num])
+
+            if not self.kv.adopt_prefix(rid, tokens, salt, num, loaded.__contains__, write_blocks, write_state):
                 num = local
         served = max(0, num - local)
         self._count(hit_tokens=served, miss_tokens=max(0, max_tokens - max(num, local)))
@@ -333,19 +303,6 @@ class KVTier:
                 for key in keys[local // bs : num // bs]:
                     self._remember(key)
                 self._remember(state_key(keys[num // bs - 1]))
-
-    def _write_block(self, group_id: int, block_id: int, tensors: list[torch.Tensor]) -> None:
-        names = [s.name for s in self.block_specs]
-        prefix = f"g{group_id}."
-        mine = [t for s, t in zip(names, tensors) if s.startswith(prefix)]
-        for view, values in zip(self._block_views(group_id, block_id), mine):
-            view.copy_(values)
-
-    def _write_state(self, cid: int, tensors: list[torch.Tensor]) -> None:
-        it = iter(tensors)
-        for group in self.states.checkpoints:
-            for t in group:
-                t[:, cid].copy_(next(it))
 
     # ---- writes (end of each step) ----------------------------------------------------------------
     def _remember(self, key: bytes) -> bool:
@@ -370,7 +327,7 @@ class KVTier:
             t = self._tracked.get(rid)
             if t is None or NULL_BLOCK in block_ids or (i + 1) * bs > t.num_prompt_tokens:
                 continue
-            copy = partial(self._copy_block, block_ids)
+            copy = partial(self.layout.copy_block, block_ids)
             self._submit(self._keys(t, i + 1)[i], "kv", i, t, self.block_specs, copy)
         for rid, cid, block_hash, num_tokens in checkpoints:
             t = self._tracked.get(rid)
@@ -379,17 +336,7 @@ class KVTier:
                 continue  # not tracked, taken for another checkpoint since, or past the prompt
             k = num_tokens // bs
             key = state_key(self._keys(t, k)[k - 1])
-            self._submit(key, "state", k - 1, t, self.state_specs, partial(self._copy_state, cid))
-
-    def _copy_state(self, cid: int) -> list[torch.Tensor]:
-        return [x[:, cid].clone() for group in self.states.checkpoints for x in group]
-
-    def _copy_block(self, block_ids: tuple[int, ...]) -> list[torch.Tensor]:
-        return [
-            v.clone(memory_format=torch.contiguous_format)
-            for g, b in enumerate(block_ids)
-            for v in self._block_views(g, b)
-        ]
+            self._submit(key, "state", k - 1, t, self.state_specs, partial(self.layout.copy_state, cid))
 
     def _submit(self, key: bytes, kind: str, block: int, t: _Tracked, specs: list[TensorSpec], copy) -> None:
         """Copy an object's tensors out (`copy()`) and queue its write, unless the key was written or
@@ -411,21 +358,24 @@ class KVTier:
     def _write(self, key, kind, block, tokens, tensors, nbytes) -> None:
         bs = self.block_size
         try:
+            if time.monotonic() < self._down_until:
+                raise _Skipped
             blob = encode_object(kind, key, block * bs, (block + 1) * bs, tokens, tensors, self.secret)
             self.store.put(key, blob, block * _AGE_PER_BLOCK)
             self._count(bytes_written=len(blob), objects_written=1)
         except Exception as e:
-            self._count(errors=1)
-            logger.warning("kv tier write failed: %s", e)
+            if not isinstance(e, _Skipped):
+                self._store_failed("write", e)
+            self._count(writes_dropped=1)
             with self._lock:
                 self._known.pop(key, None)
         finally:
             self._release(nbytes)
 
     def forget(self, request_id: str) -> None:
-        """A request ended: its lookup, if still running, is dropped when done."""
+        """A request ended: its lookup is cancelled, or dropped when done."""
         t = self._tracked.pop(request_id, None)
-        if t is not None and t.load is not None:
+        if t is not None and t.load is not None and not t.load.cancel():  # running or done: its bytes go back
             t.load.add_done_callback(self._drop_load)
 
     def _drop_load(self, future: Future) -> None:

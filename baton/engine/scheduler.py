@@ -111,9 +111,9 @@ class Scheduler:
                     budget -= out.scheduled[-1].num_new_tokens
                     continue
             cached = kv_tokens = 0
+            if req.tier_load is not None and self.adopt_from_tier is not None:
+                self.adopt_from_tier(req)  # a request that needs prompt logits leaves it to later ones
             if req.num_computed_tokens == 0 and not req.needs_prompt_logits and self.kv.enable_prefix_caching:
-                if req.tier_load is not None and self.adopt_from_tier is not None:
-                    self.adopt_from_tier(req)
                 hit = self.kv.find_cached_prefix(req.request_id, req.token_ids, req.cache_salt)
                 cached, kv_tokens = hit.num_tokens, hit.kv_tokens
                 if self._wait_for_shared_prefix(req, cached):

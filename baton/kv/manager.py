@@ -276,46 +276,61 @@ class KVManager(StateCheckpointing):
         self._num_published[request_id] = max(done, num_computed_tokens // bs)
         self._publish_snapshots(request_id, num_computed_tokens)
 
-    def adopt_blocks(
+    def adopt_prefix(
         self,
         request_id: str,
         token_ids: Sequence[int],
         salt: bytes,
-        needed: list[range],
+        num_tokens: int,
         available: Callable[[int], bool],
-        write: Callable[[int, list[int], list[int]], None],
+        write_blocks: Callable[[int, list[int], list[int]], None],
+        write_state: Callable[[int], None],
     ) -> bool:
-        """Put blocks a second KV tier brought into the prefix cache, as cached free blocks a prefix
-        lookup then finds: per group, the block indices `needed[group]` of this request's prefix that
-        the cache lacks get new blocks, which `write(group, block_ids, indices)` fills, published
-        under the request's block hashes. The blocks the cache has are held meanwhile, so taking
-        new ones never evicts them. All or nothing: False, changing nothing, when a needed block is
-        neither cached nor `available(index)`, or a pool lacks room."""
+        """Make a prefix of `num_tokens` that a second KV tier completes the cache's own, for a prefix
+        lookup to find: per group, the blocks a query at num_tokens reads that the cache lacks get
+        new blocks, which `write_blocks(group, block_ids, indices)` fills, published under the
+        request's block hashes; with recurrent layers, a checkpoint at num_tokens unless the pool
+        has one, which `write_state(checkpoint id)` fills. The cache's own blocks are held meanwhile
+        (neither the new blocks nor the checkpoint's eviction can take them), and all go back tail
+        first (a prefix loses its tail before its head). All or nothing: False, changing nothing,
+        when a needed block is neither cached nor `available(index)`, a pool lacks room, or every
+        checkpoint is in use."""
+        bs = self.block_size
         hashes = self._block_hashes(request_id, token_ids, salt)
         plans = []
         for g, pool in zip(self.spec.groups, self.pools):
             held, missing = [], []
-            for i in needed[g.group_id]:
+            for i in range(needed_start(g, num_tokens) // bs, num_tokens // bs):
                 b = self._lookup(g.group_id, i, hashes, token_ids)
                 if b is not None:
-                    held.append(b)
+                    held.append((i, b))
                 elif available(i):
                     missing.append(i)
                 else:
                     return False
-            if len(missing) > pool.num_free - sum(1 for b in held if pool.is_free(b)):
+            if len(missing) > pool.num_free - sum(1 for _, b in held if pool.is_free(b)):
                 return False
             plans.append((held, missing))
-        bs = self.block_size
-        for g, pool, (held, missing) in zip(self.spec.groups, self.pools, plans):
-            for b in held:
+        for pool, (held, _) in zip(self.pools, plans):
+            for _, b in held:
                 pool.touch(b)
+        cid = None
+        if self.spec.has_state and self.checkpoints.lookup(hashes[num_tokens // bs - 1]) is None:
+            cid = self._reserve_checkpoint()
+            if cid is None:
+                for pool, (held, _) in zip(self.pools, plans):
+                    pool.free([b for _, b in reversed(held)])
+                return False
+        for g, pool, (held, missing) in zip(self.spec.groups, self.pools, plans):
             new = pool.allocate(len(missing))
             if missing:
-                write(g.group_id, new, missing)
+                write_blocks(g.group_id, new, missing)
             for b, i in zip(new, missing):
                 pool.publish(b, hashes[i], hashes[i - 1] if i else None, tuple(token_ids[i * bs : (i + 1) * bs]))
-            pool.free(held + list(reversed(new)))
+            pool.free([b for _, b in sorted(held + list(zip(missing, new)), reverse=True)])
+        if cid is not None:
+            write_state(cid)
+            self._publish_checkpoint(request_id, cid, hashes[: num_tokens // bs], num_tokens)
         return True
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:

@@ -131,23 +131,6 @@ class StateCheckpointing:
             self._release_prefix(evicted)
         return cid
 
-    def adopt_checkpoint(
-        self, request_id: str, token_ids: Sequence[int], salt: bytes, num_tokens: int, write: Callable[[int], None]
-    ) -> bool:
-        """Put a state a second KV tier brought into the checkpoint pool, published at `num_tokens`
-        of this request's prefix: `write(checkpoint id)` fills it. False when every checkpoint is
-        in use; True (and nothing written) when the pool has one there already."""
-        hashes = self._block_hashes(request_id, token_ids[:num_tokens], salt)
-        k = num_tokens // self.block_size
-        if self.checkpoints.lookup(hashes[k - 1]) is not None:
-            return True
-        cid = self._reserve_checkpoint()
-        if cid is None:
-            return False
-        write(cid)
-        self._publish_checkpoint(request_id, cid, hashes[:k], num_tokens)
-        return True
-
     def _publish_checkpoint(self, request_id: str, cid: int, prefix_hashes: list[bytes], num_tokens: int) -> bool:
         if not self.checkpoints.publish(cid, prefix_hashes[-1], num_tokens, tuple(prefix_hashes)):
             return False

@@ -16,15 +16,21 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 KEY_BYTES = 32
 SUFFIX = ".kv"
+LOW_WATERMARK = 0.9  # a full directory is evicted down to this share of its budget: not a scan per write
+
+
+class BadStoreEntry(ValueError):
+    """An entry no valid object can be (too big, a link, a pipe): deleted, never read."""
 
 
 class TierStore(Protocol):
@@ -34,8 +40,9 @@ class TierStore(Protocol):
         is not kept. `age`: seconds the use is dated back (a prompt's later blocks are older than
         its first, so a prefix loses its tail first: its head is what other prompts share)."""
 
-    def get(self, key: bytes, age: float = 0.0) -> bytes | None:
-        """The value, or None; a hit counts as a use (dated back `age` seconds)."""
+    def get(self, key: bytes, age: float = 0.0, max_bytes: int | None = None) -> bytes | None:
+        """The value, or None; a hit counts as a use (dated back `age` seconds). BadStoreEntry (and
+        the entry deleted) for one over `max_bytes`, or on disk anything but a regular file."""
 
     def contains(self, key: bytes) -> bool: ...
 
@@ -88,7 +95,7 @@ class DiskStore:
             for entry in os.scandir(sub):
                 if entry.name.endswith(SUFFIX):
                     try:
-                        st = entry.stat()
+                        st = entry.stat(follow_symlinks=False)
                     except FileNotFoundError:  # evicted meanwhile by another process's delete
                         continue
                     found.append((st.st_mtime, st.st_size, Path(entry.path)))
@@ -114,7 +121,7 @@ class DiskStore:
                     objects = self._objects()
                     total = sum(size for _, size, _ in objects) + len(value)
                     for _, size, victim in sorted(objects):
-                        if total <= self.max_bytes:
+                        if total <= self.max_bytes * LOW_WATERMARK:
                             break
                         victim.unlink(missing_ok=True)
                         total -= size
@@ -145,14 +152,34 @@ class DiskStore:
         except FileNotFoundError:
             return False
 
-    def get(self, key: bytes, age: float = 0.0) -> bytes | None:
+    def get(self, key: bytes, age: float = 0.0, max_bytes: int | None = None) -> bytes | None:
         path = self._path(key)
-        try:
-            data = path.read_bytes()
+        try:  # never through a link, never blocking on a pipe
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
+        except OSError as e:
+            self._refuse(path, f"cannot be opened as a file: {e.strerror}")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (max_bytes is not None and st.st_size > max_bytes):
+            os.close(fd)
+            why = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"{st.st_size} bytes, over {max_bytes}"
+            self._refuse(path, why)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(max_bytes + 1 if max_bytes is not None else -1)
+        if max_bytes is not None and len(data) > max_bytes:  # grew since the stat
+            self._refuse(path, f"over {max_bytes} bytes")
         self._touch(path, age)
         return data
+
+    def _refuse(self, path: Path, why: str) -> NoReturn:
+        with self._locked():
+            try:
+                path.unlink()
+            except OSError:  # gone already, or a directory someone put there: never read either way
+                pass
+            self._write_total(sum(size for _, size, _ in self._objects()))
+        raise BadStoreEntry(f"{path.name}: {why}")
 
     def contains(self, key: bytes) -> bool:
         return self._path(key).exists()
@@ -192,6 +219,19 @@ while total > tonumber(ARGV[2]) do
 end
 return 1
 """
+# KEYS: the object, the recency sorted set, the byte counter; ARGV: the most bytes (-1: any), now.
+# An object over the bound is deleted unread (-1).
+_GET = """
+local size = redis.call('STRLEN', KEYS[1])
+if size == 0 then return false end
+if tonumber(ARGV[1]) >= 0 and size > tonumber(ARGV[1]) then
+  if redis.call('ZREM', KEYS[2], KEYS[1]) == 1 then redis.call('DECRBY', KEYS[3], size) end
+  redis.call('DEL', KEYS[1])
+  return -1
+end
+redis.call('ZADD', KEYS[2], 'XX', ARGV[2], KEYS[1])
+return redis.call('GET', KEYS[1])
+"""
 _DELETE = """
 if redis.call('ZREM', KEYS[2], KEYS[1]) == 1 then
   redis.call('DECRBY', KEYS[3], redis.call('STRLEN', KEYS[1]))
@@ -215,6 +255,7 @@ class RedisStore:
         self._lru, self._total = f"{namespace}:lru", f"{namespace}:bytes"
         self._put = self._client.register_script(_PUT)
         self._delete = self._client.register_script(_DELETE)
+        self._get = self._client.register_script(_GET)
 
     def _key(self, key: bytes) -> str:
         return f"{self.namespace}:obj:{_check_key(key)}"
@@ -222,11 +263,10 @@ class RedisStore:
     def put(self, key: bytes, value: bytes, age: float = 0.0) -> None:
         self._put(keys=[self._key(key), self._lru, self._total], args=[value, self.max_bytes, time.time() - age])
 
-    def get(self, key: bytes, age: float = 0.0) -> bytes | None:
-        name = self._key(key)
-        value = self._client.get(name)
-        if value is not None:
-            self._client.zadd(self._lru, {name: time.time() - age}, xx=True)
+    def get(self, key: bytes, age: float = 0.0, max_bytes: int | None = None) -> bytes | None:
+        value = self._get(keys=[self._key(key), self._lru, self._total], args=[max_bytes or -1, time.time() - age])
+        if value == -1:
+            raise BadStoreEntry(f"{key.hex()[:16]}: over {max_bytes} bytes")
         return value
 
     def contains(self, key: bytes) -> bool:
@@ -243,8 +283,8 @@ class RedisStore:
 
 
 class TieredStore:
-    """Stores in order (disk, then Redis): a read takes the first that has the key (and copies it
-    into the stores before that one), a write goes to each."""
+    """Stores in order (disk, then Redis): a read takes the first that has the key, a write goes to
+    each."""
 
     def __init__(self, stores: list[TierStore]) -> None:
         if not stores:
@@ -255,14 +295,18 @@ class TieredStore:
         for store in self.stores:
             store.put(key, value, age)
 
-    def get(self, key: bytes, age: float = 0.0) -> bytes | None:
+    def get(self, key: bytes, age: float = 0.0, max_bytes: int | None = None) -> tuple[bytes, int] | None:
+        """The value and the index of the first store that has it (`fill` copies it nearer once
+        the caller has checked it: an unchecked value never displaces the nearer stores' objects)."""
         for i, store in enumerate(self.stores):
-            value = store.get(key, age)
+            value = store.get(key, age, max_bytes)
             if value is not None:
-                for nearer in self.stores[:i]:
-                    nearer.put(key, value, age)
-                return value
+                return value, i
         return None
+
+    def fill(self, key: bytes, value: bytes, age: float, found_in: int) -> None:
+        for nearer in self.stores[:found_in]:
+            nearer.put(key, value, age)
 
     def contains(self, key: bytes) -> bool:
         return any(store.contains(key) for store in self.stores)
@@ -273,3 +317,15 @@ class TieredStore:
 
     def nbytes(self) -> int:
         return sum(store.nbytes() for store in self.stores)
+
+
+def open_stores(urls: list[str], max_bytes: int) -> TieredStore:
+    """The stores `--kv-tier` names (disk:PATH, redis://..., valkey://...), in order, each with
+    `max_bytes`."""
+    stores: list[TierStore] = []
+    for url in urls:
+        if url.startswith("disk:"):
+            stores.append(DiskStore(url.removeprefix("disk:"), max_bytes))
+        else:
+            stores.append(RedisStore(url.replace("valkey", "redis", 1), max_bytes))
+    return TieredStore(stores)
