@@ -30,6 +30,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # KV cache dtypes besides DTYPES: vLLM's names for fp8 e4m3, scaled per block and KV head
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
 QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45")  # baton/server/reasoning.py
 QUANT_KERNELS = ("int8", "float", "int8-avx512_vnni", "int8-avx_vnni", "int8-avx2")
 
 
@@ -162,6 +163,9 @@ class ServerConfig:
     """Requests queued but not yet running; past it new requests get 503 with Retry-After."""
     max_sequences_per_request: int = 256
     """prompts x n of one request; past it, 400."""
+    reasoning_parser: str | None = None
+    """qwen3, deepseek_r1 or glm45 (vLLM's names): a chat reply's thinking (`<think>...</think>`)
+    goes out as `reasoning_content`, apart from `content`."""
     stall_timeout_s: float = 60.0
     """If the engine makes no progress this long while work is pending, /health answers 503 (and
     baton_engine_stalls_total counts it) until it moves again."""
@@ -173,6 +177,9 @@ class ServerConfig:
             raise ValueError("max_request_bytes must be positive")
         if self.max_waiting_requests < 1 or self.max_sequences_per_request < 1:
             raise ValueError("max_waiting_requests and max_sequences_per_request must be positive")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            known = ", ".join(REASONING_PARSERS)
+            raise ValueError(f"reasoning_parser must be one of {known}, got {self.reasoning_parser!r}")
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
 

@@ -21,8 +21,13 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # a reasoning model's thinking before the constrained answer: "optional" (the output may open
+    # with <think>...</think>), "open" (it is thinking until </think>); None: the answer at once
+    thinking: str | None = None
 
     def __post_init__(self) -> None:
+        if self.thinking not in (None, "optional", "open"):
+            raise ValueError(f"invalid structured output thinking: {self.thinking!r} (optional, open or none)")
         given = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name)]
         if len(given) != 1:
             raise ValueError(

@@ -53,10 +53,11 @@ def _save_atomically(tok: PreTrainedTokenizerBase, cached: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def apply_chat_template(tok: PreTrainedTokenizerBase | None, messages: list[dict]) -> list[int]:
+def apply_chat_template(tok: PreTrainedTokenizerBase | None, messages: list[dict], **template_kwargs) -> list[int]:
+    """`template_kwargs`: variables the template reads (enable_thinking, ...), checked by the caller."""
     if tok is None or not getattr(tok, "chat_template", None):
         raise ValueError("this model has no chat template; send a plain prompt instead")
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
     return tok.encode(text, add_special_tokens=False)
 
 

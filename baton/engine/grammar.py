@@ -73,7 +73,9 @@ class StructuredOutputs:
         the problem if the spec does not compile). The server calls it on its own thread before a
         request reaches the engine, so the engine's thread only ever copies a built matcher."""
         key = json.dumps(
-            [spec.json, spec.json_object, spec.regex, spec.choice, spec.grammar], sort_keys=True, default=str
+            [spec.json, spec.json_object, spec.regex, spec.choice, spec.grammar, spec.thinking],
+            sort_keys=True,
+            default=str,
         )
         with self._lock:
             if key in self._templates:
@@ -137,7 +139,28 @@ def apply_token_bitmask_(logits: torch.Tensor, rows: list[int], bitmask: torch.T
     ops.apply_token_bitmask_(logits, torch.tensor(rows, dtype=torch.long), bitmask)
 
 
+# the thinking a reasoning model writes before its constrained answer: free text up to </think>
+# (a lazy lexeme: it ends at the first </think>), then optional whitespace and the answer's grammar
+_THINKING = {
+    "optional": 'start: ("<think>" thought)? (/[ \\t\\n]+/)? @answer\n',
+    "open": "start: thought (/[ \\t\\n]+/)? @answer\n",
+}
+_THOUGHT = 'thought[stop="</think>"]: /(.|\\n)*/\n'
+
+
 def _to_grammar(spec: StructuredOutputsParams) -> str:
+    answer = _answer_grammar(spec)
+    if spec.thinking is None:
+        return answer
+    inner = json.loads(answer)["grammars"] if answer.lstrip().startswith("{") else [{"lark_grammar": answer}]
+    if len(inner) != 1:
+        raise GrammarError("a constraint after thinking must be one grammar")
+    return json.dumps(
+        {"grammars": [{"lark_grammar": _THINKING[spec.thinking] + _THOUGHT}, {**inner[0], "name": "answer"}]}
+    )
+
+
+def _answer_grammar(spec: StructuredOutputsParams) -> str:
     try:
         if spec.json is not None or spec.json_object:
             schema = spec.json if spec.json is not None else {"type": "object"}

@@ -11,6 +11,28 @@ from baton.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, Sampli
 NonNegInt = Annotated[int, Field(ge=0)]
 MAX_STOP = 64  # stop strings / stop token ids / bad words of one request
 MAX_TOOLS = 128
+MAX_TEMPLATE_KWARGS = 16
+# what apply_chat_template itself takes (a client must not swap the template or the rendering mode)
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+TemplateValue = bool | int | float | Annotated[str, Field(max_length=4096)] | None
 
 
 class StreamOptions(BaseModel):
@@ -235,6 +257,26 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # variables for the chat template (vLLM's chat_template_kwargs; enable_thinking also on its own)
+    chat_template_kwargs: dict[str, TemplateValue] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+    enable_thinking: bool | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, kwargs: dict | None) -> dict | None:
+        for key in kwargs or {}:
+            if not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS or key.startswith("_"):
+                raise ValueError(f"chat_template_kwargs cannot set {key[:64]!r}")
+        return kwargs
+
+    def template_kwargs(self) -> dict:
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.enable_thinking
+        return kwargs
+
+    def thinking_enabled(self) -> bool:
+        return self.template_kwargs().get("enable_thinking") is not False
 
     def tool_choice_value(self) -> str | dict | None:
         tc = self.tool_choice

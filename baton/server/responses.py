@@ -19,6 +19,7 @@ class ChoiceStream:
     """What one streamed choice has sent so far."""
 
     text_sent: int = 0
+    reasoning_sent: int = 0
     tokens_sent: int = 0
     finished: bool = False
 

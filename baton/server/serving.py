@@ -13,27 +13,24 @@ from baton.engine.async_engine import AsyncEngine
 from baton.handoff.transport import HeldSpan, SpanStore
 from baton.http import APIError
 from baton.outputs import RequestOutput
-from baton.sampling_params import SamplingParams, StructuredOutputsParams
+from baton.sampling_params import SamplingParams
+from baton.server.chat import ChatServing
 from baton.server.metrics import ServerMetrics
 from baton.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from baton.server.responses import (
     ChoiceStream,
     Timing,
     TokenText,
-    chat_logprobs,
-    chat_message,
     completion_logprobs,
     sse,
     stream_safe_text,
     usage,
 )
-from baton.server.tools import plan_tools
-from baton.tokenizer import apply_chat_template
 
 T = TypeVar("T")
 
 
-class OpenAIServing:
+class OpenAIServing(ChatServing):
     def __init__(
         self,
         engine: AsyncEngine,
@@ -70,24 +67,6 @@ class OpenAIServing:
                 f"the server is busy: {self.config.max_waiting_requests} requests are waiting; retry later",
                 headers={"Retry-After": "1"},
             )
-
-    def _chat_ids(self, body: ChatCompletionRequest) -> tuple[list[int], StructuredOutputsParams | None]:
-        """The conversation's token ids, and the grammar its tools put on the reply (None without)."""
-        choice = body.tool_choice_value()
-        if choice not in (None, "none", "auto") and not body.tools:
-            raise ValueError("tool_choice 'required' or a named function needs tools")
-        tools = [t.model_dump() for t in body.tools] if body.tools else None
-        plan = plan_tools([m.as_template_dict() for m in body.messages], tools, choice)
-        return apply_chat_template(self.engine.tokenizer, plan.messages), plan.structured
-
-    @staticmethod
-    def _chat_params(body: ChatCompletionRequest, tool_spec, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        params = body.sampling_params(max_tokens, logprobs, None)
-        if tool_spec is not None:
-            if params.structured_outputs is not None:
-                raise ValueError("tools and response_format (or another output constraint) cannot be combined")
-            params.structured_outputs = tool_spec
-        return params
 
     def _prepare(self, prompt, body: _SamplingFields, max_tokens: int | None) -> tuple[str | None, list[int], int]:
         """Tokenize and check against the context; returns (text, ids, max_tokens resolved)."""
@@ -310,96 +289,6 @@ class OpenAIServing:
             }
 
     # ---- /v1/chat/completions --------------------------------------------------------------------
-    async def chat(self, body: ChatCompletionRequest, rid: str):
-        self.admit(body.n)
-        ids, tool_spec = await self.off_loop(self._chat_ids, body)
-        _, ids, max_tokens = await self.off_loop(
-            self._prepare, {"prompt_token_ids": ids}, body, body.max_completion_tokens or body.max_tokens
-        )
-        top_n = body.top_logprobs or 0
-        params = self._chat_params(body, tool_spec, max_tokens, top_n if body.logprobs else None)
-        await self.off_loop(self._check, [ids], [params])
-        gen = self._tracked(ids, params, rid, kv_span=self._parked_span(body))
-        tools = tool_spec is not None
-        if body.stream:
-            return sse(self._chat_stream(body, rid, ids, top_n, gen, tools))
-        (out,) = await self._final([gen])
-        choices = []
-        for c in out.outputs:
-            message, finish_reason = chat_message(c, tools)
-            choice = {
-                "index": c.index,
-                "message": message,
-                "logprobs": chat_logprobs(c.token_ids, c.logprobs, self.piece, top_n) if body.logprobs else None,
-                "finish_reason": finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            if c.error:
-                choice["error"] = c.error
-            if body.return_token_ids:
-                choice["token_ids"] = c.token_ids
-            choices.append(choice)
-        response = {**self._header(rid, "chat.completion"), "choices": choices}
-        response["usage"] = usage(len(ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
-        if body.return_token_ids:
-            response["prompt_token_ids"] = ids
-        return response
-
-    async def _chat_stream(self, body, rid, ids, top_n, gen, tools: bool) -> AsyncIterator[dict]:
-        """With tools the reply is one JSON object, parsed when it is complete: its content or its
-        tool call goes out in the final chunk (OpenAI's stream shape, arguments in one piece)."""
-        head = self._header(rid, "chat.completion.chunk")
-        first = {
-            **head,
-            "choices": [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(body.n)
-            ],
-        }
-        if body.return_token_ids:
-            first["prompt_token_ids"] = ids
-        yield first
-        states = [ChoiceStream() for _ in range(body.n)]
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        completion_tokens = cached = 0
-        async for _, out in self._merge([gen]):
-            cached = out.num_cached_tokens
-            for c in out.outputs:
-                st = states[c.index]
-                if st.finished:
-                    continue
-                done = c.finish_reason is not None
-                if tools and not done:
-                    continue
-                delta = stream_safe_text(c.text, done, stop)[st.text_sent :]
-                new_ids = c.token_ids[st.tokens_sent :]
-                if not (delta or done or (body.return_token_ids and new_ids)):
-                    continue
-                choice = {"index": c.index, "delta": {"content": delta}, "logprobs": None, "finish_reason": None}
-                finish_reason = c.finish_reason
-                if tools:
-                    message, finish_reason = chat_message(c, True)
-                    choice["delta"] = {k: v for k, v in message.items() if k != "role" and v is not None}
-                    for i, call in enumerate(choice["delta"].get("tool_calls", [])):
-                        call["index"] = i
-                if body.logprobs:
-                    entries = c.logprobs[st.tokens_sent : st.tokens_sent + len(new_ids)]
-                    choice["logprobs"] = chat_logprobs(new_ids, entries, self.piece, top_n)
-                if body.return_token_ids:
-                    choice["token_ids"] = new_ids
-                if done:
-                    choice["finish_reason"] = finish_reason
-                    choice["stop_reason"] = c.stop_reason
-                    if c.error:
-                        choice["error"] = c.error
-                    st.finished = True
-                    completion_tokens += len(c.token_ids)
-                st.text_sent += len(delta)
-                st.tokens_sent += len(new_ids)
-                yield {**head, "choices": [choice]}
-        if body.stream_options and body.stream_options.include_usage:
-            yield {**head, "choices": [], "usage": usage(len(ids), completion_tokens, cached)}
-
     def _decode(self, ids: list[int]) -> str:
         tok = self.engine.tokenizer
         return tok.decode(ids) if tok is not None else ""

@@ -1,0 +1,151 @@
+"""The chat endpoint's work (a part of OpenAIServing): the conversation through the chat template
+(tools, template kwargs), the run, and the answer: tool calls, and with a reasoning parser the
+thoughts apart from the answer, non-streamed and as deltas."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from baton.sampling_params import SamplingParams, StructuredOutputsParams
+from baton.server.protocol import ChatCompletionRequest
+from baton.server.reasoning import PARSERS, ReasoningParser
+from baton.server.responses import ChoiceStream, chat_logprobs, chat_message, sse, stream_safe_text, usage
+from baton.server.tools import plan_tools
+from baton.tokenizer import apply_chat_template
+
+
+class ChatServing:
+    def _chat_ids(self, body: ChatCompletionRequest) -> tuple[list[int], StructuredOutputsParams | None]:
+        """The conversation's token ids, and the grammar its tools put on the reply (None without)."""
+        choice = body.tool_choice_value()
+        if choice not in (None, "none", "auto") and not body.tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        tools = [t.model_dump() for t in body.tools] if body.tools else None
+        plan = plan_tools([m.as_template_dict() for m in body.messages], tools, choice)
+        kwargs = body.template_kwargs()
+        return apply_chat_template(self.engine.tokenizer, plan.messages, **kwargs), plan.structured
+
+    def _reasoning(self, ids: list[int], tools: bool) -> tuple[ReasoningParser | None, bool]:
+        """The server's reasoning parser (none with tools: their grammar holds the whole reply), and
+        whether the prompt opened the thinking."""
+        parser = PARSERS.get(self.config.reasoning_parser or "")
+        if parser is None or tools:
+            return None, False
+        return parser, parser.opens_in_prompt(self._decode(ids[-8:]))
+
+    @staticmethod
+    def _chat_params(body: ChatCompletionRequest, tool_spec, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        params = body.sampling_params(max_tokens, logprobs, None)
+        if tool_spec is not None:
+            if params.structured_outputs is not None:
+                raise ValueError("tools and response_format (or another output constraint) cannot be combined")
+            params.structured_outputs = tool_spec
+        return params
+
+    async def chat(self, body: ChatCompletionRequest, rid: str):
+        self.admit(body.n)
+        ids, tool_spec = await self.off_loop(self._chat_ids, body)
+        _, ids, max_tokens = await self.off_loop(
+            self._prepare, {"prompt_token_ids": ids}, body, body.max_completion_tokens or body.max_tokens
+        )
+        top_n = body.top_logprobs or 0
+        params = self._chat_params(body, tool_spec, max_tokens, top_n if body.logprobs else None)
+        reasoning = self._reasoning(ids, tool_spec is not None)
+        parser, opened = reasoning
+        if parser is not None and params.structured_outputs is not None and body.thinking_enabled():
+            # the constraint holds once the thinking ends (with thinking off, from the first token)
+            params.structured_outputs.thinking = "open" if opened or parser.thinks_without_start else "optional"
+        await self.off_loop(self._check, [ids], [params])
+        gen = self._tracked(ids, params, rid, kv_span=self._parked_span(body))
+        tools = tool_spec is not None
+        if body.stream:
+            return sse(self._chat_stream(body, rid, ids, top_n, gen, tools, reasoning))
+        (out,) = await self._final([gen])
+        choices = []
+        for c in out.outputs:
+            message, finish_reason = chat_message(c, tools)
+            if reasoning[0] is not None:
+                thought, message["content"] = reasoning[0].split(c.text, reasoning[1], True)
+                message["reasoning_content"] = thought or None
+            choice = {
+                "index": c.index,
+                "message": message,
+                "logprobs": chat_logprobs(c.token_ids, c.logprobs, self.piece, top_n) if body.logprobs else None,
+                "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if c.error:
+                choice["error"] = c.error
+            if body.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        response = {**self._header(rid, "chat.completion"), "choices": choices}
+        response["usage"] = usage(len(ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
+        if body.return_token_ids:
+            response["prompt_token_ids"] = ids
+        return response
+
+    async def _chat_stream(self, body, rid, ids, top_n, gen, tools: bool, reasoning) -> AsyncIterator[dict]:
+        """With tools the reply is one JSON object, parsed when it is complete: its content or its
+        tool call goes out in the final chunk (OpenAI's stream shape, arguments in one piece). With
+        a reasoning parser, thoughts go out as `reasoning_content` deltas, then the answer's."""
+        parser, opened = reasoning
+        head = self._header(rid, "chat.completion.chunk")
+        first = {
+            **head,
+            "choices": [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(body.n)
+            ],
+        }
+        if body.return_token_ids:
+            first["prompt_token_ids"] = ids
+        yield first
+        states = [ChoiceStream() for _ in range(body.n)]
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        completion_tokens = cached = 0
+        async for _, out in self._merge([gen]):
+            cached = out.num_cached_tokens
+            for c in out.outputs:
+                st = states[c.index]
+                if st.finished:
+                    continue
+                done = c.finish_reason is not None
+                if tools and not done:
+                    continue
+                safe = stream_safe_text(c.text, done, stop)
+                thought = ""
+                if parser is not None:
+                    thought, safe = parser.split(safe, opened, done)
+                    thought = thought[st.reasoning_sent :]
+                delta = safe[st.text_sent :]
+                new_ids = c.token_ids[st.tokens_sent :]
+                if not (delta or thought or done or (body.return_token_ids and new_ids)):
+                    continue
+                choice = {"index": c.index, "delta": {"content": delta}, "logprobs": None, "finish_reason": None}
+                if thought:
+                    choice["delta"]["reasoning_content"] = thought
+                    st.reasoning_sent += len(thought)
+                finish_reason = c.finish_reason
+                if tools:
+                    message, finish_reason = chat_message(c, True)
+                    choice["delta"] = {k: v for k, v in message.items() if k != "role" and v is not None}
+                    for i, call in enumerate(choice["delta"].get("tool_calls", [])):
+                        call["index"] = i
+                if body.logprobs:
+                    entries = c.logprobs[st.tokens_sent : st.tokens_sent + len(new_ids)]
+                    choice["logprobs"] = chat_logprobs(new_ids, entries, self.piece, top_n)
+                if body.return_token_ids:
+                    choice["token_ids"] = new_ids
+                if done:
+                    choice["finish_reason"] = finish_reason
+                    choice["stop_reason"] = c.stop_reason
+                    if c.error:
+                        choice["error"] = c.error
+                    st.finished = True
+                    completion_tokens += len(c.token_ids)
+                st.text_sent += len(delta)
+                st.tokens_sent += len(new_ids)
+                yield {**head, "choices": [choice]}
+        if body.stream_options and body.stream_options.include_usage:
+            yield {**head, "choices": [], "usage": usage(len(ids), completion_tokens, cached)}
