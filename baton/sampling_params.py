@@ -24,8 +24,13 @@ class StructuredOutputsParams:
     # a reasoning model's thinking before the constrained answer: "optional" (the output may open
     # with <think>...</think>), "open" (it is thinking until </think>); None: the answer at once
     thinking: str | None = None
+    whitespace_pattern: str | None = None  # JSON: a regex for the whitespace allowed between tokens
 
     def __post_init__(self) -> None:
+        if self.whitespace_pattern is not None and not (
+            isinstance(self.whitespace_pattern, str) and len(self.whitespace_pattern) <= 256
+        ):
+            raise ValueError("invalid structured output whitespace_pattern: a regex of at most 256 characters")
         if self.thinking not in (None, "optional", "open"):
             raise ValueError(f"invalid structured output thinking: {self.thinking!r} (optional, open or none)")
         given = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name)]

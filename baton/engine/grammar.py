@@ -73,7 +73,15 @@ class StructuredOutputs:
         the problem if the spec does not compile). The server calls it on its own thread before a
         request reaches the engine, so the engine's thread only ever copies a built matcher."""
         key = json.dumps(
-            [spec.json, spec.json_object, spec.regex, spec.choice, spec.grammar, spec.thinking],
+            [
+                spec.json,
+                spec.json_object,
+                spec.regex,
+                spec.choice,
+                spec.grammar,
+                spec.thinking,
+                spec.whitespace_pattern,
+            ],
             sort_keys=True,
             default=str,
         )
@@ -168,7 +176,11 @@ def _answer_grammar(spec: StructuredOutputsParams) -> str:
                 schema = json.loads(schema)
             if not isinstance(schema, dict):
                 raise GrammarError("a JSON schema is an object")
-            return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+            options = JSON_OPTIONS
+            if spec.whitespace_pattern is not None:  # the client's (outlines sends one): it says what may go between
+                options = {"whitespace_flexible": True, "whitespace_pattern": spec.whitespace_pattern}
+                options |= {"item_separator": ",", "key_separator": ":"}
+            return LLMatcher.grammar_from_json_schema(schema, overrides=options)
         if spec.regex is not None:
             return LLMatcher.grammar_from_regex(spec.regex)
         if spec.choice is not None:

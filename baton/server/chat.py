@@ -91,6 +91,8 @@ class ChatServing:
         a reasoning parser, thoughts go out as `reasoning_content` deltas, then the answer's."""
         parser, opened = reasoning
         head = self._header(rid, "chat.completion.chunk")
+        opts = body.stream_options
+        continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         first = {
             **head,
             "choices": [
@@ -100,6 +102,8 @@ class ChatServing:
         }
         if body.return_token_ids:
             first["prompt_token_ids"] = ids
+        if continuous:
+            first["usage"] = usage(len(ids), 0, 0)
         yield first
         states = [ChoiceStream() for _ in range(body.n)]
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -146,6 +150,9 @@ class ChatServing:
                     completion_tokens += len(c.token_ids)
                 st.text_sent += len(delta)
                 st.tokens_sent += len(new_ids)
-                yield {**head, "choices": [choice]}
+                chunk = {**head, "choices": [choice]}
+                if continuous:
+                    chunk["usage"] = usage(len(ids), sum(x.tokens_sent for x in states), cached)
+                yield chunk
         if body.stream_options and body.stream_options.include_usage:
             yield {**head, "choices": [], "usage": usage(len(ids), completion_tokens, cached)}

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from baton.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams, StructuredOutputsParams
 
+logger = logging.getLogger(__name__)
 NonNegInt = Annotated[int, Field(ge=0)]
 MAX_STOP = 64  # stop strings / stop token ids / bad words of one request
 MAX_TOOLS = 128
+MAX_WHITESPACE_PATTERN = 256
+_warned_fields: set[str] = set()  # request fields baton ignores, each logged once
 MAX_TEMPLATE_KWARGS = 16
 # what apply_chat_template itself takes (a client must not swap the template or the rendering mode)
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -37,6 +41,7 @@ TemplateValue = bool | int | float | Annotated[str, Field(max_length=4096)] | No
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -62,6 +67,9 @@ class StructuredOutputsField(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    whitespace_pattern: str | None = Field(None, max_length=MAX_WHITESPACE_PATTERN)  # JSON: what whitespace may be
+    disable_any_whitespace: bool | None = None  # JSON is compact here already; False is not honoured
+    structural_tag: Any = None  # vLLM's tool-call triggers: accepted, not honoured (logged)
 
 
 class _SamplingFields(BaseModel):
@@ -99,8 +107,26 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = Field(None, max_length=MAX_WHITESPACE_PATTERN)
     grammar: str | None = None
     json_schema: dict | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored(cls, data: Any) -> Any:
+        """Fields OpenAI or vLLM take that baton has no equivalent for are ignored, each logged once."""
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            for name in data:
+                if (
+                    isinstance(name, str)
+                    and name not in known
+                    and name not in _warned_fields
+                    and len(_warned_fields) < 256
+                ):
+                    _warned_fields.add(name)
+                    logger.warning("request field %r is not supported here and is ignored", name[:64])
+        return data
 
     @field_validator("logit_bias")
     @classmethod
@@ -145,9 +171,18 @@ class _SamplingFields(BaseModel):
             specs["response_format"] = StructuredOutputsParams(json=rf.json_schema.schema_)
         if self.structured_outputs is not None:
             so = self.structured_outputs
-            specs["structured_outputs"] = StructuredOutputsParams(
-                json=so.json_, json_object=so.json_object, regex=so.regex, choice=so.choice, grammar=so.grammar
-            )
+            if so.structural_tag is not None and "structural_tag" not in _warned_fields:
+                _warned_fields.add("structural_tag")
+                logger.warning("structured_outputs.structural_tag is not supported here and is ignored")
+            if any(x is not None for x in (so.json_, so.json_object, so.regex, so.choice, so.grammar)):
+                specs["structured_outputs"] = StructuredOutputsParams(
+                    json=so.json_,
+                    json_object=so.json_object,
+                    regex=so.regex,
+                    choice=so.choice,
+                    grammar=so.grammar,
+                    whitespace_pattern=so.whitespace_pattern,
+                )
         guided = {
             "guided_json": "json",
             "guided_regex": "regex",
@@ -156,7 +191,8 @@ class _SamplingFields(BaseModel):
         }
         for name, key in guided.items():
             if getattr(self, name) is not None:
-                specs[name] = StructuredOutputsParams(**{key: getattr(self, name)})
+                pattern = self.guided_whitespace_pattern if key == "json" else None
+                specs[name] = StructuredOutputsParams(**{key: getattr(self, name)}, whitespace_pattern=pattern)
         if self.grammar is not None:
             specs["grammar"] = StructuredOutputsParams(grammar=self.grammar)
         if self.json_schema is not None:

@@ -240,6 +240,8 @@ class OpenAIServing(ChatServing):
         states: dict[int, ChoiceStream] = {}
         completion_tokens = 0
         cached: dict[int, int] = {}
+        opts = body.stream_options
+        continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         stop = list(body.stop or []) if not isinstance(body.stop, str) else [body.stop]
         async for i, out in self._merge(gens):
             text, ids, _ = prepared[i]
@@ -279,7 +281,13 @@ class OpenAIServing(ChatServing):
                     completion_tokens += len(c.token_ids) if keep_output[i] else 0
                 st.text_sent += len(delta)
                 st.tokens_sent += len(new_ids)
-                yield {**self._header(rid, "text_completion"), "choices": [choice]}
+                chunk = {**self._header(rid, "text_completion"), "choices": [choice]}
+                if continuous:  # vLLM's continuous_usage_stats: the counts so far in every chunk
+                    prompt_tokens = sum(len(p_ids) for _, p_ids, _ in prepared)
+                    chunk["usage"] = usage(
+                        prompt_tokens, sum(x.tokens_sent for x in states.values()), sum(cached.values())
+                    )
+                yield chunk
         if body.stream_options and body.stream_options.include_usage:
             prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
             yield {
