@@ -182,3 +182,92 @@ def test_unknown_named_tool_is_a_400(server):
     }
     r = requests.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and "nope" in r.json()["error"]["message"]
+
+
+ADD = {  # no additionalProperties: held strictly all the same, as OpenAI's strict mode
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
+PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_arguments_name_only_the_schemas_properties_and_calls_may_go_in_parallel(client):
+    messages = [{"role": "user", "content": "Add 2 and 3, and ping the server."}]
+    for _ in range(2):
+        r = client.chat.completions.create(
+            model="smollm2-135m", messages=messages, tools=[ADD, PING], tool_choice="required", max_tokens=60
+        )
+        for call in r.choices[0].message.tool_calls:
+            arguments = json.loads(call.function.arguments)
+            allowed = {"add": {"a", "b"}, "ping": set()}[call.function.name]
+            assert set(arguments) <= allowed, arguments
+    r = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=messages,
+        tools=[ADD, PING],
+        tool_choice="required",
+        parallel_tool_calls=True,
+        max_tokens=120,
+    )
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and 1 <= len(calls) <= 16
+    assert len({c.id for c in calls}) == len(calls)
+    # the calls and their results go back as history
+    messages.append(r.choices[0].message.model_dump(exclude_none=True))
+    messages += [{"role": "tool", "tool_call_id": c.id, "content": "ok"} for c in calls]
+    final = client.chat.completions.create(model="smollm2-135m", messages=messages, tool_choice="none", max_tokens=8)
+    assert final.choices[0].message.content
+
+
+def test_a_cut_reply_shows_none_of_the_tool_format(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=4
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls and not choice.message.content
+
+
+def test_a_cut_response_keeps_what_it_said_and_a_cut_call_nothing():
+    from baton.server.tools import parse_reply
+
+    assert parse_reply('{"response": "Once upon a ti') == ("Once upon a ti", [])
+    assert parse_reply('{"response": "caf\\u00e') == ("caf", [])  # a cut escape is dropped
+    assert parse_reply('{"response": "a \\"quoted\\" wo') == ('a "quoted" wo', [])
+    assert parse_reply('{"tool_call": {"name": "get_wea') == (None, [])
+    assert parse_reply('{"tool_calls": [{"name": "ping", "arguments": {}}, {"na') == (None, [])
+    content, calls = parse_reply(
+        '{"tool_calls": [{"name": "ping", "arguments": {}}, {"name": "add", "arguments": {"a": 1}}]}'
+    )
+    assert content is None and [c["function"]["name"] for c in calls] == ["ping", "add"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"a": 1}
+
+
+def test_strict_schemas_close_every_object_that_does_not_say_otherwise():
+    from baton.server.tools import strict_schema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "point": {"type": "object", "properties": {"x": {"type": "number"}}},
+            "tags": {"type": "array", "items": {"properties": {"k": {"type": "string"}}}},
+            "open": {"type": "object", "additionalProperties": {"type": "integer"}},
+        },
+        "$defs": {"d": {"type": "object"}},
+        "anyOf": [{"type": "object", "properties": {"point": {}}}],
+    }
+    strict = strict_schema(schema)
+    assert strict["additionalProperties"] is False
+    assert strict["properties"]["point"]["additionalProperties"] is False
+    assert strict["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert strict["properties"]["open"]["additionalProperties"] == {"type": "integer"}  # said otherwise: kept
+    assert strict["$defs"]["d"]["additionalProperties"] is False and strict["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # a copy
+    nested: dict = {"type": "object"}
+    for _ in range(100):
+        nested = {"type": "object", "properties": {"x": nested}}
+    with pytest.raises(ValueError, match="nests deeper"):
+        strict_schema(nested)

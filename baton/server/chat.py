@@ -21,7 +21,7 @@ class ChatServing:
         if choice not in (None, "none", "auto") and not body.tools:
             raise ValueError("tool_choice 'required' or a named function needs tools")
         tools = [t.model_dump() for t in body.tools] if body.tools else None
-        plan = plan_tools([m.as_template_dict() for m in body.messages], tools, choice)
+        plan = plan_tools([m.as_template_dict() for m in body.messages], tools, choice, bool(body.parallel_tool_calls))
         kwargs = body.template_kwargs()
         return apply_chat_template(self.engine.tokenizer, plan.messages, **kwargs), plan.structured
 
