@@ -30,7 +30,8 @@ def api_server():
 def _operations(api_server):
     schema = schemathesis.openapi.from_url(f"{api_server.base_url}/openapi.json")
     ops = [result.ok() for result in schema.get_all_operations()]
-    assert {f"{op.method.upper()} {op.path}" for op in ops} >= {"POST /v1/completions", "POST /v1/chat/completions"}
+    ours = {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses"}
+    assert {f"{op.method.upper()} {op.path}" for op in ops} >= ours
     return ops
 
 

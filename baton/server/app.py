@@ -17,6 +17,7 @@ from baton.engine.async_engine import AsyncEngine, EngineDeadError, RequestFaile
 from baton.handoff.transport import SPAN_MEDIA_TYPE, SpanStore, SpanStoreFull
 from baton.http import INTERNAL_PREFIX, APIError, Guard, error_response, install_error_handlers, unless_hung_up
 from baton.server.metrics import ServerMetrics
+from baton.server.openai_responses import ResponsesRequest, ResponseStore, create_response
 from baton.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -92,6 +93,14 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, model_name: str) 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         return await unless_hung_up(request, serving.chat(body, _request_id("chatcmpl")), body.stream)
+
+    response_store = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        check_model(body.model)
+        work = create_response(serving, response_store, body, f"resp_{uuid.uuid4().hex}", served)
+        return await unless_hung_up(request, work, body.stream)
 
     if role in ("prefill", "both"):
 

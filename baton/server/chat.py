@@ -42,7 +42,8 @@ class ChatServing:
             params.structured_outputs = tool_spec
         return params
 
-    async def chat(self, body: ChatCompletionRequest, rid: str):
+    async def chat(self, body: ChatCompletionRequest, rid: str, raw_stream: bool = False):
+        """The answer (a dict), or streamed an SSE response (`raw_stream`: its chunks' generator)."""
         self.admit(body.n)
         ids, tool_spec = await self.off_loop(self._chat_ids, body)
         _, ids, max_tokens = await self.off_loop(
@@ -59,7 +60,8 @@ class ChatServing:
         gen = self._tracked(ids, params, rid, kv_span=self._parked_span(body))
         tools = tool_spec is not None
         if body.stream:
-            return sse(self._chat_stream(body, rid, ids, top_n, gen, tools, reasoning))
+            chunks = self._chat_stream(body, rid, ids, top_n, gen, tools, reasoning)
+            return chunks if raw_stream else sse(chunks)
         (out,) = await self._final([gen])
         choices = []
         for c in out.outputs:
