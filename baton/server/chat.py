@@ -5,25 +5,52 @@ thoughts apart from the answer, non-streamed and as deltas."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from baton.sampling_params import SamplingParams, StructuredOutputsParams
 from baton.server.protocol import ChatCompletionRequest
 from baton.server.reasoning import PARSERS, ReasoningParser
 from baton.server.responses import ChoiceStream, chat_logprobs, chat_message, sse, stream_safe_text, usage
+from baton.server.tool_formats import template_format
 from baton.server.tools import plan_tools
 from baton.tokenizer import apply_chat_template
 
 
 class ChatServing:
-    def _chat_ids(self, body: ChatCompletionRequest) -> tuple[list[int], StructuredOutputsParams | None]:
-        """The conversation's token ids, and the grammar its tools put on the reply (None without)."""
+    def _chat_ids(self, body: ChatCompletionRequest) -> tuple[list[int], StructuredOutputsParams | None, Any]:
+        """The conversation's token ids, the grammar its tools put on the reply (None without), and
+        how a reply's tool calls are read: None (no tools), "generic", or the template's own format."""
         choice = body.tool_choice_value()
         if choice not in (None, "none", "auto") and not body.tools:
             raise ValueError("tool_choice 'required' or a named function needs tools")
         tools = [t.model_dump() for t in body.tools] if body.tools else None
-        plan = plan_tools([m.as_template_dict() for m in body.messages], tools, choice, bool(body.parallel_tool_calls))
         kwargs = body.template_kwargs()
-        return apply_chat_template(self.engine.tokenizer, plan.messages, **kwargs), plan.structured
+        messages = [m.as_template_dict() for m in body.messages]
+        tok = self.engine.tokenizer
+        fmt = template_format(self.config.tool_call_parser, getattr(tok, "chat_template", None)) if tools else None
+        if fmt is not None and choice != "none":  # the template renders the tools and the history itself
+            ids = apply_chat_template(tok, messages, tools=tools, **kwargs)
+            name = choice["function"]["name"] if isinstance(choice, dict) else None
+            named = [t for t in tools if t["function"]["name"] == name]
+            if name is not None and not named:
+                raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")
+            forced = named or (tools if choice == "required" else None)
+            spec = fmt.grammar(forced, bool(body.parallel_tool_calls)) if forced else None
+            return ids, spec, fmt
+        plan = plan_tools(messages, tools, choice, bool(body.parallel_tool_calls))
+        mode = "generic" if plan.structured is not None else None
+        return apply_chat_template(tok, plan.messages, **kwargs), plan.structured, mode
+
+    @staticmethod
+    def _message(c, tool_mode) -> tuple[dict, str | None]:
+        """The assistant message of a finished output and its finish reason, tool calls read as
+        `tool_mode` says."""
+        if tool_mode is None or tool_mode == "generic":
+            return chat_message(c, tool_mode is not None)
+        content, calls = tool_mode.parse(c.text)
+        if calls:
+            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": content}, c.finish_reason
 
     def _reasoning(self, ids: list[int], tools: bool) -> tuple[ReasoningParser | None, bool]:
         """The server's reasoning parser (none with tools: their grammar holds the whole reply), and
@@ -45,27 +72,26 @@ class ChatServing:
     async def chat(self, body: ChatCompletionRequest, rid: str, raw_stream: bool = False):
         """The answer (a dict), or streamed an SSE response (`raw_stream`: its chunks' generator)."""
         self.admit(body.n)
-        ids, tool_spec = await self.off_loop(self._chat_ids, body)
+        ids, tool_spec, tool_mode = await self.off_loop(self._chat_ids, body)
         _, ids, max_tokens = await self.off_loop(
             self._prepare, {"prompt_token_ids": ids}, body, body.max_completion_tokens or body.max_tokens
         )
         top_n = body.top_logprobs or 0
         params = self._chat_params(body, tool_spec, max_tokens, top_n if body.logprobs else None)
-        reasoning = self._reasoning(ids, tool_spec is not None)
+        reasoning = self._reasoning(ids, tool_mode is not None)
         parser, opened = reasoning
         if parser is not None and params.structured_outputs is not None and body.thinking_enabled():
             # the constraint holds once the thinking ends (with thinking off, from the first token)
             params.structured_outputs.thinking = "open" if opened or parser.thinks_without_start else "optional"
         await self.off_loop(self._check, [ids], [params])
         gen = self._tracked(ids, params, rid, kv_span=self._parked_span(body))
-        tools = tool_spec is not None
         if body.stream:
-            chunks = self._chat_stream(body, rid, ids, top_n, gen, tools, reasoning)
+            chunks = self._chat_stream(body, rid, ids, top_n, gen, tool_mode, reasoning)
             return chunks if raw_stream else sse(chunks)
         (out,) = await self._final([gen])
         choices = []
         for c in out.outputs:
-            message, finish_reason = chat_message(c, tools)
+            message, finish_reason = self._message(c, tool_mode)
             if reasoning[0] is not None:
                 thought, message["content"] = reasoning[0].split(c.text, reasoning[1], True)
                 message["reasoning_content"] = thought or None
@@ -87,7 +113,7 @@ class ChatServing:
             response["prompt_token_ids"] = ids
         return response
 
-    async def _chat_stream(self, body, rid, ids, top_n, gen, tools: bool, reasoning) -> AsyncIterator[dict]:
+    async def _chat_stream(self, body, rid, ids, top_n, gen, tool_mode, reasoning) -> AsyncIterator[dict]:
         """With tools the reply is one JSON object, parsed when it is complete: its content or its
         tool call goes out in the final chunk (OpenAI's stream shape, arguments in one piece). With
         a reasoning parser, thoughts go out as `reasoning_content` deltas, then the answer's."""
@@ -117,7 +143,7 @@ class ChatServing:
                 if st.finished:
                     continue
                 done = c.finish_reason is not None
-                if tools and not done:
+                if tool_mode is not None and not done:
                     continue
                 safe = stream_safe_text(c.text, done, stop)
                 thought = ""
@@ -133,11 +159,12 @@ class ChatServing:
                     choice["delta"]["reasoning_content"] = thought
                     st.reasoning_sent += len(thought)
                 finish_reason = c.finish_reason
-                if tools:
-                    message, finish_reason = chat_message(c, True)
-                    choice["delta"] = {k: v for k, v in message.items() if k != "role" and v is not None}
-                    for i, call in enumerate(choice["delta"].get("tool_calls", [])):
-                        call["index"] = i
+                if tool_mode is not None:
+                    message, finish_reason = self._message(c, tool_mode)
+                    choice["delta"] = {}
+                    deltas = [{"content": message["content"]}] if message["content"] is not None else []
+                    for d in deltas + _call_deltas(message.get("tool_calls") or []):  # a call's name, then arguments
+                        yield {**head, "choices": [{"index": c.index, "delta": d, "logprobs": None}]}
                 if body.logprobs:
                     entries = c.logprobs[st.tokens_sent : st.tokens_sent + len(new_ids)]
                     choice["logprobs"] = chat_logprobs(new_ids, entries, self.piece, top_n)
@@ -158,3 +185,13 @@ class ChatServing:
                 yield chunk
         if body.stream_options and body.stream_options.include_usage:
             yield {**head, "choices": [], "usage": usage(len(ids), completion_tokens, cached)}
+
+
+def _call_deltas(calls: list[dict]) -> list[dict]:
+    """A reply's tool calls as OpenAI streams them: per call, its id and name, then its arguments."""
+    out = []
+    for i, call in enumerate(calls):
+        name = {"name": call["function"]["name"], "arguments": ""}
+        out.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function", "function": name}]})
+        out.append({"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]})
+    return out

@@ -176,6 +176,15 @@ def output_items(message: dict) -> list[dict]:
     if message.get("reasoning_content"):
         thought = {"type": "summary_text", "text": message["reasoning_content"]}
         items.append({"type": "reasoning", "id": _id("rs"), "summary": [thought]})
+    if message.get("content") or (message.get("content") is not None and not message.get("tool_calls")):
+        part = {
+            "type": "output_text",
+            "text": message["content"],
+            "annotations": [],
+        }  # a call's reply may say something first
+        items.append(
+            {"type": "message", "id": _id("msg"), "status": "completed", "role": "assistant", "content": [part]}
+        )
     for call in message.get("tool_calls") or []:
         items.append(
             {
@@ -186,11 +195,6 @@ def output_items(message: dict) -> list[dict]:
                 "arguments": call["function"]["arguments"],
                 "status": "completed",
             }
-        )
-    if message.get("content") is not None and not message.get("tool_calls"):
-        part = {"type": "output_text", "text": message["content"], "annotations": []}
-        items.append(
-            {"type": "message", "id": _id("msg"), "status": "completed", "role": "assistant", "content": [part]}
         )
     return items
 
@@ -251,76 +255,53 @@ async def stream_events(
 
     yield event("response.created", response=response_object(body, rid, served, [], None, None))
     yield event("response.in_progress", response=response_object(body, rid, served, [], None, None))
-    text, thought, calls, finish, usage = "", "", [], None, None
-    msg_id, opened = _id("msg"), False
+    text, thought, finish, usage = "", "", None, None
+    calls: dict[int, dict] = {}
+    msg_id, opened, at, ids = _id("msg"), False, 0, {}
     async for chunk in chunks:
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices", []):
             delta = choice.get("delta", {})
             thought += delta.get("reasoning_content") or ""
-            calls += delta.get("tool_calls") or []
+            for d in delta.get("tool_calls") or []:  # an id and name, then the arguments, by index
+                call = calls.setdefault(d["index"], {"id": None, "name": "", "arguments": ""})
+                call["id"] = d.get("id") or call["id"]
+                call["name"] += (d.get("function") or {}).get("name") or ""
+                call["arguments"] += (d.get("function") or {}).get("arguments") or ""
             finish = choice.get("finish_reason") or finish
             piece = delta.get("content") or ""
-            if piece and not delta.get("tool_calls"):
-                if not opened:
-                    opened = True
-                    item = {
-                        "type": "message",
-                        "id": msg_id,
-                        "status": "in_progress",
-                        "role": "assistant",
-                        "content": [],
-                    }
-                    yield event("response.output_item.added", output_index=0, item=item)
+            if piece:
+                if not opened:  # after a reasoning item, if the model thought first
+                    opened, at = True, 1 if thought else 0
+                    item = {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant"}
+                    yield event("response.output_item.added", output_index=at, item={**item, "content": []})
                     part = {"type": "output_text", "text": "", "annotations": []}
-                    yield event(
-                        "response.content_part.added", item_id=msg_id, output_index=0, content_index=0, part=part
-                    )
+                    ids = {"item_id": msg_id, "output_index": at, "content_index": 0}
+                    yield event("response.content_part.added", **ids, part=part)
                 text += piece
-                yield event(
-                    "response.output_text.delta",
-                    item_id=msg_id,
-                    output_index=0,
-                    content_index=0,
-                    delta=piece,
-                    logprobs=[],
-                )
-    message = {"content": text if not calls else None, "reasoning_content": thought or None}
+                yield event("response.output_text.delta", **ids, delta=piece, logprobs=[])
+    message = {"content": text, "reasoning_content": thought or None}
     message["tool_calls"] = [
-        {"id": c.get("id") or _id("call"), "type": "function", "function": c["function"]} for c in calls
+        {"id": c["id"] or _id("call"), "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for _, c in sorted(calls.items())
     ] or None
     output = output_items(message)
-    if opened:
-        part = {"type": "output_text", "text": text, "annotations": []}
-        yield event(
-            "response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text=text, logprobs=[]
-        )
-        yield event("response.content_part.done", item_id=msg_id, output_index=0, content_index=0, part=part)
-        for item in output:
-            if item["type"] == "message":
-                item["id"] = msg_id
-                yield event("response.output_item.done", output_index=0, item=item)
-    else:
-        for i, item in enumerate(output):
-            yield event(
-                "response.output_item.added",
-                output_index=i,
-                item={**item, "status": "in_progress"} | ({"arguments": ""} if item["type"] == "function_call" else {}),
-            )
-            if item["type"] == "function_call":
-                yield event(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=i,
-                    delta=item["arguments"],
-                )
-                yield event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=i,
-                    arguments=item["arguments"],
-                )
+    for i, item in enumerate(output):
+        if item["type"] == "message" and opened:  # streamed already: closed here
+            item["id"] = msg_id
+            part = item["content"][0]
+            ids = {"item_id": msg_id, "output_index": i, "content_index": 0}
+            yield event("response.output_text.done", **ids, text=text, logprobs=[])
+            yield event("response.content_part.done", **ids, part=part)
             yield event("response.output_item.done", output_index=i, item=item)
+            continue
+        added = {**item, "status": "in_progress"} | ({"arguments": ""} if item["type"] == "function_call" else {})
+        yield event("response.output_item.added", output_index=i, item=added)
+        if item["type"] == "function_call":
+            args = item["arguments"]
+            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=args)
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i, arguments=args)
+        yield event("response.output_item.done", output_index=i, item=item)
     final = response_object(body, rid, served, output, finish, usage or _no_usage())
     done(message, final)
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"

@@ -173,7 +173,7 @@ class OpenAIServing(ChatServing):
         """Prefill one prompt and return its encoded KV span (the first token travels inside)."""
         self.admit(1)
         if isinstance(body, ChatCompletionRequest):
-            ids, tool_spec = await self.off_loop(self._chat_ids, body)
+            ids, tool_spec, _ = await self.off_loop(self._chat_ids, body)
             max_tokens = body.max_completion_tokens or body.max_tokens
             _, ids, _ = await self.off_loop(self._prepare, {"prompt_token_ids": ids}, body, max_tokens)
             params = self._chat_params(body, tool_spec, 1, None)

@@ -1,0 +1,154 @@
+"""Tool calls in the model's own format (baton/server/tool_formats.py): with a chat template that
+renders tools in the Hermes format (written here from the format's published description), the
+template renders tools and history, a forced, `required` or parallel call is held to the
+`<tool_call>` syntax, and the reply is parsed back; streamed deltas add up to the message."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from baton.server.tool_formats import HermesFormat, template_format
+from tests.server_util import ServerProcess
+
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+
+{% endif %}# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0]['role'] == 'system' %}<|im_start|>system
+{{ messages[0]['content'] }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}<|im_start|>user
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}{% endif %}
+{%- for tc in message.tool_calls or [] %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}},
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and the time in UTC?"}]
+
+
+@pytest.fixture(scope="module")
+def hermes_tokenizer(smollm2, tmp_path_factory):
+    path = tmp_path_factory.mktemp("hermes-tokenizer")
+    smollm2.engine.tokenizer.save_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = HERMES_TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def client(hermes_tokenizer):
+    server = ServerProcess("--tokenizer", str(hermes_tokenizer))
+    yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    server.terminate()
+
+
+def _check_calls(calls) -> None:
+    for call in calls:
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        schema = {**tool["function"]["parameters"], "additionalProperties": False}
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_the_template_shows_its_format():
+    assert template_format(None, HERMES_TEMPLATE).name == "hermes"
+    assert template_format(None, "{{ messages }}") is None and template_format("generic", HERMES_TEMPLATE) is None
+
+
+def test_hermes_replies_parse_back_and_a_cut_call_shows_no_syntax():
+    fmt = HermesFormat()
+    call_f = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    call_g = '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    content, calls = fmt.parse(f"Sure.\n{call_f}\n{call_g}")
+    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["f", "g"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1}
+    assert fmt.parse('<tool_call>\n{"name": "f", "argu') == (None, [])
+    assert fmt.parse("just text") == ("just text", [])
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_named_and_parallel_calls_stream_as_they_answer(client, parallel):
+    kw = dict(model="smollm2-135m", messages=ASK, tools=[WEATHER, TIME], max_tokens=120, temperature=0.0)
+    r = client.chat.completions.create(tool_choice="required", parallel_tool_calls=parallel, **kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    assert parallel or len(choice.message.tool_calls) == 1
+    assert "<tool_call>" not in (choice.message.content or "")
+    _check_calls(choice.message.tool_calls)
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_time"}}, **kw)
+    assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_time"]
+    # streamed: the deltas accumulate to the same calls
+    calls: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(
+        tool_choice="required", parallel_tool_calls=parallel, stream=True, **kw
+    ):
+        for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+    expected = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+    assert [calls[i] for i in sorted(calls)] == expected
+
+
+def test_a_tool_result_goes_back_through_the_template(client):
+    kw = dict(model="smollm2-135m", tools=[WEATHER], max_tokens=60, temperature=0.0)
+    r = client.chat.completions.create(messages=ASK, tool_choice="required", **kw)
+    call = r.choices[0].message.tool_calls[0]
+    history = [*ASK, r.choices[0].message.model_dump(exclude_none=True)]
+    history.append({"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "celsius": 18}'})
+    final = client.chat.completions.create(messages=history, tool_choice="none", **kw)
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+    auto = client.chat.completions.create(messages=history, **kw)
+    assert "<tool_call>" not in (auto.choices[0].message.content or "")
