@@ -271,3 +271,27 @@ def test_strict_schemas_close_every_object_that_does_not_say_otherwise():
         nested = {"type": "object", "properties": {"x": nested}}
     with pytest.raises(ValueError, match="nests deeper"):
         strict_schema(nested)
+
+
+def test_the_openai_sdks_parse_and_stream_helpers(client):
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        population: int
+
+    messages = [{"role": "user", "content": "Name a large city and its population, as JSON."}]
+    parsed = client.chat.completions.parse(model="smollm2-135m", messages=messages, response_format=City, max_tokens=60)
+    city = parsed.choices[0].message.parsed
+    assert isinstance(city, City) and city.name
+    with client.chat.completions.stream(
+        model="smollm2-135m", messages=messages, response_format=City, max_tokens=60
+    ) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "content.delta")
+        final = stream.get_final_completion()
+    assert final.choices[0].message.parsed == City.model_validate_json(deltas)
+    weather = openai.pydantic_function_tool(City, name="record_city")
+    r = client.chat.completions.parse(
+        model="smollm2-135m", messages=messages, tools=[weather], tool_choice="required", max_tokens=60
+    )
+    assert isinstance(r.choices[0].message.tool_calls[0].function.parsed_arguments, City)
