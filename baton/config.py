@@ -164,8 +164,8 @@ class ServerConfig:
     max_sequences_per_request: int = 256
     """prompts x n of one request; past it, 400."""
     tool_call_parser: str | None = None
-    """How chat replies call tools: hermes (the model's own `<tool_call>` format, its template
-    rendering the tools), generic (tools described in a system message, a JSON reply); default:
+    """How chat replies call tools: hermes, llama3_json or mistral (the model's own format, its
+    template rendering the tools), generic (tools described in a system message, a JSON reply); default:
     the format the chat template shows, else generic."""
     reasoning_parser: str | None = None
     """qwen3, deepseek_r1 or glm45 (vLLM's names): a chat reply's thinking (`<think>...</think>`)
@@ -181,8 +181,9 @@ class ServerConfig:
             raise ValueError("max_request_bytes must be positive")
         if self.max_waiting_requests < 1 or self.max_sequences_per_request < 1:
             raise ValueError("max_waiting_requests and max_sequences_per_request must be positive")
-        if self.tool_call_parser not in (None, "generic", "hermes"):
-            raise ValueError(f"tool_call_parser must be hermes or generic, got {self.tool_call_parser!r}")
+        if self.tool_call_parser not in (None, "generic", "hermes", "llama3_json", "mistral"):
+            known = "hermes, llama3_json, mistral or generic"
+            raise ValueError(f"tool_call_parser must be {known}, got {self.tool_call_parser!r}")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             known = ", ".join(REASONING_PARSERS)
             raise ValueError(f"reasoning_parser must be one of {known}, got {self.reasoning_parser!r}")

@@ -1,7 +1,8 @@
-"""Tool calls in the model's own format (baton/server/tool_formats.py): with a chat template that
-renders tools in the Hermes format (written here from the format's published description), the
-template renders tools and history, a forced, `required` or parallel call is held to the
-`<tool_call>` syntax, and the reply is parsed back; streamed deltas add up to the message."""
+"""Tool calls in the model's own format (baton/server/tool_formats.py): with chat templates that
+render tools in the Hermes, Llama 3.x JSON and Mistral formats (written here from each format's
+published description, on SmolLM2's vocabulary), the template renders tools and history, a
+forced, `required` or parallel call is held to the format's syntax, and the reply is parsed back;
+streamed deltas add up to the message."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from baton.server.tool_formats import HermesFormat, template_format
+from baton.server.tool_formats import HermesFormat, Llama3JsonFormat, MistralFormat, template_format
 from tests.server_util import ServerProcess
 
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
@@ -56,6 +57,48 @@ For each function call, return a json object with function name and arguments wi
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
+LLAMA3_TEMPLATE = """{%- if tools %}<|start_header_id|>system<|end_header_id|>
+
+Given the following functions, please respond with a JSON for a function call with its proper \
+arguments that best answers the given prompt.
+
+Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}. \
+Do not use variables.
+
+{% for t in tools %}{{ t | tojson }}
+
+{% endfor %}<|eot_id|>{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}<|start_header_id|>assistant<|end_header_id|>
+
+{% for tc in message.tool_calls %}{"name": "{{ tc.function.name }}", "parameters": {{ tc.function.arguments }}}\
+{% if not loop.last %}; {% endif %}{% endfor %}<|eom_id|>
+{%- elif message.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- else %}<|start_header_id|>{{ message.role }}<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+MISTRAL_TEMPLATE = """{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or message.role == 'system' %}[INST]{{ message.content }}[/INST]
+{%- elif message.role == 'assistant' and message.tool_calls %}[TOOL_CALLS][\
+{% for tc in message.tool_calls %}{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments }}}\
+{% if not loop.last %}, {% endif %}{% endfor %}]</s>
+{%- elif message.role == 'assistant' %}{{ message.content }}</s>
+{%- elif message.role == 'tool' %}[TOOL_RESULTS]{"content": {{ message.content | tojson }}}[/TOOL_RESULTS]
+{%- endif %}
+{%- endfor %}"""
+
+TEMPLATES = {"hermes": HERMES_TEMPLATE, "llama3_json": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE}
+MARKERS = {"hermes": "<tool_call>", "llama3_json": '{"name"', "mistral": "[TOOL_CALLS]"}  # syntax never in content
+
 WEATHER = {
     "type": "function",
     "function": {
@@ -79,19 +122,22 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and the time i
 
 
 @pytest.fixture(scope="module")
-def hermes_tokenizer(smollm2, tmp_path_factory):
-    path = tmp_path_factory.mktemp("hermes-tokenizer")
+def saved_tokenizer(smollm2, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
     smollm2.engine.tokenizer.save_pretrained(path)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = HERMES_TEMPLATE
-    tok.save_pretrained(path)
     return path
 
 
-@pytest.fixture(scope="module")
-def client(hermes_tokenizer):
-    server = ServerProcess("--tokenizer", str(hermes_tokenizer))
-    yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+@pytest.fixture(scope="module", params=list(TEMPLATES))
+def client(request, saved_tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    tok = AutoTokenizer.from_pretrained(saved_tokenizer)
+    tok.chat_template = TEMPLATES[request.param]
+    tok.save_pretrained(path)
+    server = ServerProcess("--tokenizer", str(path))
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    client.format_name = request.param
+    yield client
     server.terminate()
 
 
@@ -103,7 +149,7 @@ def _check_calls(calls) -> None:
 
 
 def test_the_template_shows_its_format():
-    assert template_format(None, HERMES_TEMPLATE).name == "hermes"
+    assert [template_format(None, t).name for t in TEMPLATES.values()] == list(TEMPLATES)
     assert template_format(None, "{{ messages }}") is None and template_format("generic", HERMES_TEMPLATE) is None
 
 
@@ -125,7 +171,7 @@ def test_required_named_and_parallel_calls_stream_as_they_answer(client, paralle
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     assert parallel or len(choice.message.tool_calls) == 1
-    assert "<tool_call>" not in (choice.message.content or "")
+    assert MARKERS[client.format_name] not in (choice.message.content or "")
     _check_calls(choice.message.tool_calls)
     named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_time"}}, **kw)
     assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_time"]
@@ -151,4 +197,15 @@ def test_a_tool_result_goes_back_through_the_template(client):
     final = client.chat.completions.create(messages=history, tool_choice="none", **kw)
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
     auto = client.chat.completions.create(messages=history, **kw)
-    assert "<tool_call>" not in (auto.choices[0].message.content or "")
+    assert MARKERS[client.format_name] not in (auto.choices[0].message.content or "")
+
+
+def test_llama3_and_mistral_replies_parse_back():
+    llama, mistral = Llama3JsonFormat(), MistralFormat()
+    content, calls = llama.parse('<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}')
+    assert content is None and [c["function"]["name"] for c in calls] == ["f", "g"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1}
+    assert llama.parse('{"name": "f", "param') == (None, []) and llama.parse("Hello!") == ("Hello!", [])
+    content, calls = mistral.parse('Let me check.[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]')
+    assert content == "Let me check." and calls[0]["function"]["name"] == "f"
+    assert mistral.parse('[TOOL_CALLS][{"name": "f", "argum') == (None, [])

@@ -5,6 +5,9 @@ call is held to that syntax by a grammar over the tools' (strict) schemas.
 
 hermes (Hermes 2 Pro, Qwen2.5, Qwen3): each call is `<tool_call>\\n{"name": ..., "arguments": {...}}
 \\n</tool_call>`, several in a row for parallel calls; text outside the tags is the content.
+llama3_json (Llama 3.1-3.3's JSON tool calling): the reply is `{"name": ..., "parameters": {...}}`
+(after an optional `<|python_tag|>`), several separated by `; `.
+mistral: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from baton.sampling_params import StructuredOutputsParams
 from baton.server.tools import MAX_PARALLEL_CALLS, strict_schema
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
@@ -32,18 +35,7 @@ class HermesFormat:
 
     def grammar(self, tools: list[dict], parallel: bool) -> StructuredOutputsParams:
         """Only calls (of `tools`), in this format: what `required` and a named function allow."""
-        calls = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": t["function"]["name"]},
-                    "arguments": strict_schema(t["function"].get("parameters") or {"type": "object"}),
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for t in tools
-        ]
+        calls = _call_schemas(tools, "arguments")
         schema = json.dumps({"anyOf": calls})
         more = f'("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
         lark = f'start: call {more}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {schema}\n'
@@ -62,14 +54,7 @@ class HermesFormat:
                 continue
             kept.append(text[last : m.start()])
             last = m.end()
-            arguments = call.get("arguments", call.get("parameters", {}))
-            calls.append(
-                {
-                    "id": f"call_{secrets.token_hex(12)}",
-                    "type": "function",
-                    "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
-                }
-            )
+            calls.append(_tool_call(call["name"], call.get("arguments", call.get("parameters", {}))))
         kept.append(text[last:])
         content = "".join(kept)
         if calls:
@@ -82,10 +67,99 @@ class HermesFormat:
         return text, []
 
 
-FORMATS = {"hermes": HermesFormat()}
+def _call_schemas(tools: list[dict], key: str) -> list[dict]:
+    return [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                key: strict_schema(t["function"].get("parameters") or {"type": "object"}),
+            },
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
 
 
-def template_format(name: str | None, template: str | None) -> HermesFormat | None:
+def _tool_call(name: str, arguments) -> dict:
+    return {
+        "id": f"call_{secrets.token_hex(12)}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
+
+
+def _as_calls(items) -> list[dict] | None:
+    """Tool calls of decoded JSON objects, or None if one is not a call."""
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        calls.append(_tool_call(item["name"], item.get("arguments", item.get("parameters", {}))))
+    return calls
+
+
+@dataclass(frozen=True)
+class Llama3JsonFormat:
+    name: str = "llama3_json"
+
+    @staticmethod
+    def detect(template: str | None) -> bool:
+        return bool(template) and "dictionary of argument name and its value" in template
+
+    def grammar(self, tools: list[dict], parallel: bool) -> StructuredOutputsParams:
+        schema = json.dumps({"anyOf": _call_schemas(tools, "parameters")})
+        more = f'("; " call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+        return StructuredOutputsParams(grammar=f"start: call {more}\ncall: %json {schema}\n")
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        decoder, items, i = json.JSONDecoder(), [], 0
+        try:
+            while i < len(body):
+                item, i = decoder.raw_decode(body, i)
+                items.append(item)
+                while i < len(body) and body[i] in "; \n":
+                    i += 1
+        except json.JSONDecodeError:
+            return (None if body.startswith('{"name"') else text), []  # a cut call shows nothing
+        calls = _as_calls(items)
+        return (None, calls) if calls else (text, [])
+
+
+@dataclass(frozen=True)
+class MistralFormat:
+    name: str = "mistral"
+    tag: str = "[TOOL_CALLS]"
+
+    def detect(self, template: str | None) -> bool:
+        return bool(template) and self.tag in template
+
+    def grammar(self, tools: list[dict], parallel: bool) -> StructuredOutputsParams:
+        calls = {"anyOf": _call_schemas(tools, "arguments")}
+        array = {"type": "array", "items": calls, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
+        return StructuredOutputsParams(grammar=f'start: "{self.tag}" calls\ncalls: %json {json.dumps(array)}\n')
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        at = text.find(self.tag)
+        if at < 0:
+            return text, []
+        content = text[:at].strip() or None
+        try:
+            items = json.loads(text[at + len(self.tag) :])
+        except json.JSONDecodeError:
+            return content, []  # a cut call shows nothing
+        calls = _as_calls(items if isinstance(items, list) else [items])
+        return (content, calls) if calls else (text, [])
+
+
+FORMATS = {"hermes": HermesFormat(), "mistral": MistralFormat(), "llama3_json": Llama3JsonFormat()}
+
+
+def template_format(name: str | None, template: str | None):
     """The format `--tool-call-parser` names ("generic": none), else the one the template shows."""
     if name == "generic":
         return None
