@@ -27,9 +27,13 @@ class ChatServing:
         kwargs = body.template_kwargs()
         messages = [m.as_template_dict() for m in body.messages]
         tok = self.engine.tokenizer
-        fmt = template_format(self.config.tool_call_parser, getattr(tok, "chat_template", None)) if tools else None
-        if fmt is not None and choice != "none":  # the template renders the tools and the history itself
-            ids = apply_chat_template(tok, messages, tools=tools, **kwargs)
+        fmt = template_format(self.config.tool_call_parser, getattr(tok, "chat_template", None))
+        in_history = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+        if fmt is not None and (tools or in_history):  # the template renders the tools and the history itself
+            offered = tools if choice != "none" else None
+            ids = apply_chat_template(tok, messages, tools=offered, **kwargs)
+            if not offered:
+                return ids, None, None
             name = choice["function"]["name"] if isinstance(choice, dict) else None
             named = [t for t in tools if t["function"]["name"] == name]
             if name is not None and not named:
