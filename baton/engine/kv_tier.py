@@ -23,6 +23,7 @@ import torch
 
 from baton.config import EngineConfig
 from baton.kv.manager import NULL_BLOCK, KVManager
+from baton.kv.prefix import needed_start
 from baton.kv.state import StateStorage
 from baton.kv.storage import KVStorage
 from baton.kv.tier_layout import TierLayout, geometry
@@ -43,10 +44,6 @@ _KNOWN_KEYS = 1 << 16  # keys written or read lately: not copied out again
 _BACKOFF_S = 30.0  # a failed store is not asked again for this long
 _MAX_FRAME_BYTES = 1 << 20  # an object's header and framing, at most: a bigger file is not read
 _AGE_PER_BLOCK = 1e-3  # seconds a block's use is dated back per block before it: tails are evicted first
-
-
-class _Skipped(Exception):
-    """A write while the store is backed off."""
 
 
 @dataclass
@@ -114,9 +111,6 @@ class KVTier:
         # the writer runs at the lowest priority: it takes a core when the engine's threads leave one
         # (its encoding competes with the decode step's thread team otherwise)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="baton-kv-tier-write", initializer=_lowest_priority)
-        # the sliding groups' windows, in blocks: a lookup starts that far before the cached prefix
-        windows = [g.kind.window for g in kv.spec.groups if g.kind.is_sliding]
-        self._window_blocks = max((-(-(w - 1) // self.block_size) + 1 for w in windows), default=0)
         kv.record_published = True
 
     def _count(self, **deltas: float) -> None:
@@ -155,7 +149,10 @@ class KVTier:
         hit = self.kv.find_cached_prefix(req.request_id, req.token_ids, req.cache_salt)
         if hit.num_tokens >= max_blocks * bs:
             return
-        first = min(max_blocks, max(0, hit.kv_tokens // bs - self._window_blocks))
+        # from where the cache ends, or where a sliding group's window before it begins (the cache
+        # may have let those blocks go)
+        sliding = [needed_start(g, hit.kv_tokens) // bs for g in self.kv.spec.groups if g.kind.is_sliding]
+        first = min(max_blocks, hit.kv_tokens // bs, *sliding)
         lowest_state = hit.num_tokens // bs
         keys = list(self._keys(t, max_blocks)[:max_blocks])
         tokens = list(req.token_ids[: max_blocks * bs])
@@ -302,7 +299,8 @@ class KVTier:
             with self._lock:
                 for key in keys[local // bs : num // bs]:
                     self._remember(key)
-                self._remember(state_key(keys[num // bs - 1]))
+                if self.state_specs:
+                    self._remember(state_key(keys[num // bs - 1]))
 
     # ---- writes (end of each step) ----------------------------------------------------------------
     def _remember(self, key: bytes) -> bool:
@@ -346,9 +344,7 @@ class KVTier:
                 return
         nbytes = sum(s.nbytes for s in specs)
         if not self._reserve(nbytes):
-            self._count(writes_dropped=1)
-            with self._lock:
-                self._known.pop(key, None)
+            self._drop_write(key)
             return
         bs = self.block_size
         tensors = list(zip((s.name for s in specs), copy()))
@@ -358,19 +354,22 @@ class KVTier:
     def _write(self, key, kind, block, tokens, tensors, nbytes) -> None:
         bs = self.block_size
         try:
-            if time.monotonic() < self._down_until:
-                raise _Skipped
-            blob = encode_object(kind, key, block * bs, (block + 1) * bs, tokens, tensors, self.secret)
-            self.store.put(key, blob, block * _AGE_PER_BLOCK)
-            self._count(bytes_written=len(blob), objects_written=1)
+            if time.monotonic() >= self._down_until:  # while the store is backed off: dropped below
+                blob = encode_object(kind, key, block * bs, (block + 1) * bs, tokens, tensors, self.secret)
+                self.store.put(key, blob, block * _AGE_PER_BLOCK)
+                self._count(bytes_written=len(blob), objects_written=1)
+                return
         except Exception as e:
-            if not isinstance(e, _Skipped):
-                self._store_failed("write", e)
-            self._count(writes_dropped=1)
-            with self._lock:
-                self._known.pop(key, None)
+            self._store_failed("write", e)
         finally:
             self._release(nbytes)
+        self._drop_write(key)
+
+    def _drop_write(self, key: bytes) -> None:
+        """A write that did not happen: counted, and its key free to be written again."""
+        self._count(writes_dropped=1)
+        with self._lock:
+            self._known.pop(key, None)
 
     def forget(self, request_id: str) -> None:
         """A request ended: its lookup is cancelled, or dropped when done."""

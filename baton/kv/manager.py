@@ -93,10 +93,13 @@ class KVManager(StateCheckpointing):
             hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs], salt))
         return hashes
 
-    def _lookup(self, group_id: int, i: int, hashes: list[bytes], token_ids: Sequence[int]) -> int | None:
+    def _block_identity(self, i: int, hashes: list[bytes], token_ids: Sequence[int]) -> tuple:
+        """Block i's (hash, parent hash, tokens): what a pool publishes it under and checks on lookup."""
         bs = self.block_size
-        parent = hashes[i - 1] if i else None
-        return self.pools[group_id].lookup(hashes[i], parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+        return hashes[i], hashes[i - 1] if i else None, tuple(token_ids[i * bs : (i + 1) * bs])
+
+    def _lookup(self, group_id: int, i: int, hashes: list[bytes], token_ids: Sequence[int]) -> int | None:
+        return self.pools[group_id].lookup(*self._block_identity(i, hashes, token_ids))
 
     def find_cached_prefix(
         self,
@@ -109,8 +112,8 @@ class KVManager(StateCheckpointing):
         """The longest L (a block multiple, < len(token_ids)) that every group can serve from cache;
         `allocate_slots` takes it with `num_cached_tokens=hit.num_tokens`. With `tier_block` and
         `tier_state` (block indices and state positions a second KV tier brought), the L the cache
-        and that tier could serve together, which `adopt_blocks` and `adopt_checkpoint` then make
-        the cache's (nothing is recorded for allocation)."""
+        and that tier could serve together, which `adopt_prefix` then makes the cache's (nothing is
+        recorded for allocation)."""
         if not self.enable_prefix_caching:
             return PrefixHit()
         bs = self.block_size
@@ -266,11 +269,10 @@ class KVManager(StateCheckpointing):
         bs = self.block_size
         tables = self.block_tables[request_id]
         for i in range(done, num_computed_tokens // bs):
-            parent = hashes[i - 1] if i else None
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            identity = self._block_identity(i, hashes, token_ids)
             for pool, table in zip(self.pools, tables):
                 if table[i] != NULL_BLOCK:
-                    pool.publish(table[i], hashes[i], parent, tokens)
+                    pool.publish(table[i], *identity)
             if self.record_published:
                 self.published_blocks.append((request_id, i, tuple(table[i] for table in tables)))
         self._num_published[request_id] = max(done, num_computed_tokens // bs)
@@ -326,7 +328,7 @@ class KVManager(StateCheckpointing):
             if missing:
                 write_blocks(g.group_id, new, missing)
             for b, i in zip(new, missing):
-                pool.publish(b, hashes[i], hashes[i - 1] if i else None, tuple(token_ids[i * bs : (i + 1) * bs]))
+                pool.publish(b, *self._block_identity(i, hashes, token_ids))
             pool.free([b for _, b in sorted(held + list(zip(missing, new)), reverse=True)])
         if cid is not None:
             write_state(cid)

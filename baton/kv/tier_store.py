@@ -137,7 +137,7 @@ class DiskStore:
         try:
             return int(self._total_path.read_text())
         except (FileNotFoundError, ValueError):
-            return sum(size for _, size, _ in self._objects())
+            return self.nbytes()
 
     def _write_total(self, total: int) -> None:
         tmp = self._total_path.with_suffix(f".{os.getpid()}")
@@ -178,7 +178,7 @@ class DiskStore:
                 path.unlink()
             except OSError:  # gone already, or a directory someone put there: never read either way
                 pass
-            self._write_total(sum(size for _, size, _ in self._objects()))
+            self._write_total(self.nbytes())
         raise BadStoreEntry(f"{path.name}: {why}")
 
     def contains(self, key: bytes) -> bool:

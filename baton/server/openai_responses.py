@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from baton.http import APIError
 from baton.server.protocol import ChatCompletionRequest
-from baton.server.responses import sse
+from baton.server.responses import sse, usage
 
 MAX_ITEMS = 256
 MAX_TEXT = 1 << 20  # characters of one input text
@@ -200,14 +200,14 @@ def output_items(message: dict) -> list[dict]:
 
 
 def response_object(
-    body: ResponsesRequest, rid: str, served: str, output: list[dict], finish: str | None, usage: dict | None
+    body: ResponsesRequest, rid: str, served: str, output: list[dict], finish: str | None, counts: dict | None
 ) -> dict:
     incomplete = finish == "length"
     return {
         "id": rid,
         "object": "response",
         "created_at": int(time.time()),
-        "status": "incomplete" if incomplete else "completed" if usage is not None else "in_progress",
+        "status": "incomplete" if incomplete else "completed" if counts is not None else "in_progress",
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "error": None,
         "model": served,
@@ -231,13 +231,13 @@ def response_object(
         "store": body.store,
         "metadata": body.metadata or {},
         "usage": None
-        if usage is None
+        if counts is None
         else {
-            "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens": usage["completion_tokens"],
+            "input_tokens": counts["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": counts["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage["total_tokens"],
+            "total_tokens": counts["total_tokens"],
         },
     }
 
@@ -255,11 +255,11 @@ async def stream_events(
 
     yield event("response.created", response=response_object(body, rid, served, [], None, None))
     yield event("response.in_progress", response=response_object(body, rid, served, [], None, None))
-    text, thought, finish, usage = "", "", None, None
+    text, thought, finish, counts = "", "", None, None
     calls: dict[int, dict] = {}
     msg_id, opened, at, ids = _id("msg"), False, 0, {}
     async for chunk in chunks:
-        usage = chunk.get("usage") or usage
+        counts = chunk.get("usage") or counts
         for choice in chunk.get("choices", []):
             delta = choice.get("delta", {})
             thought += delta.get("reasoning_content") or ""
@@ -302,19 +302,10 @@ async def stream_events(
             yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=args)
             yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i, arguments=args)
         yield event("response.output_item.done", output_index=i, item=item)
-    final = response_object(body, rid, served, output, finish, usage or _no_usage())
+    final = response_object(body, rid, served, output, finish, counts or usage(0, 0))
     done(message, final)
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
     yield event(kind, response=final)
-
-
-def _no_usage() -> dict:
-    return {
-        "prompt_tokens": 0,
-        "completion_tokens": 0,
-        "total_tokens": 0,
-        "prompt_tokens_details": {"cached_tokens": 0},
-    }
 
 
 async def create_response(serving, store: ResponseStore, body: ResponsesRequest, rid: str, served: str):

@@ -15,6 +15,15 @@ MAX_STOP = 64  # stop strings / stop token ids / bad words of one request
 MAX_TOOLS = 128
 MAX_WHITESPACE_PATTERN = 256
 _warned_fields: set[str] = set()  # request fields baton ignores, each logged once
+
+
+def _warn_ignored(name: str, what: str) -> None:
+    """Log once per name (and at most 256 names) that a field is accepted and ignored."""
+    if name not in _warned_fields and len(_warned_fields) < 256:
+        _warned_fields.add(name)
+        logger.warning("%s %r is not supported here and is ignored", what, name)
+
+
 MAX_TEMPLATE_KWARGS = 16
 # what apply_chat_template itself takes (a client must not swap the template or the rendering mode)
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -118,14 +127,8 @@ class _SamplingFields(BaseModel):
         if isinstance(data, dict):
             known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
             for name in data:
-                if (
-                    isinstance(name, str)
-                    and name not in known
-                    and name not in _warned_fields
-                    and len(_warned_fields) < 256
-                ):
-                    _warned_fields.add(name)
-                    logger.warning("request field %r is not supported here and is ignored", name[:64])
+                if isinstance(name, str) and name not in known:
+                    _warn_ignored(name[:64], "request field")
         return data
 
     @field_validator("logit_bias")
@@ -171,9 +174,8 @@ class _SamplingFields(BaseModel):
             specs["response_format"] = StructuredOutputsParams(json=rf.json_schema.schema_)
         if self.structured_outputs is not None:
             so = self.structured_outputs
-            if so.structural_tag is not None and "structural_tag" not in _warned_fields:
-                _warned_fields.add("structural_tag")
-                logger.warning("structured_outputs.structural_tag is not supported here and is ignored")
+            if so.structural_tag is not None:
+                _warn_ignored("structural_tag", "structured_outputs field")
             if any(x is not None for x in (so.json_, so.json_object, so.regex, so.choice, so.grammar)):
                 specs["structured_outputs"] = StructuredOutputsParams(
                     json=so.json_,
