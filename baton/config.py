@@ -31,6 +31,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
 QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45")  # baton/server/reasoning.py
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "glm45", "generic")  # baton/server/tool_formats.py
 QUANT_KERNELS = ("int8", "float", "int8-avx512_vnni", "int8-avx_vnni", "int8-avx2")
 
 
@@ -164,12 +165,14 @@ class ServerConfig:
     max_sequences_per_request: int = 256
     """prompts x n of one request; past it, 400."""
     tool_call_parser: str | None = None
-    """How chat replies call tools: hermes, llama3_json or mistral (the model's own format, its
-    template rendering the tools), generic (tools described in a system message, a JSON reply); default:
+    """How chat replies call tools: hermes, llama3_json, mistral or glm45 (the model's own format,
+    its template rendering the tools), generic (tools described in a system message, a JSON reply); default:
     the format the chat template shows, else generic."""
     reasoning_parser: str | None = None
     """qwen3, deepseek_r1 or glm45 (vLLM's names): a chat reply's thinking (`<think>...</think>`)
     goes out as `reasoning_content`, apart from `content`."""
+    ui: bool = True
+    """The chat page at `/` (--no-ui: none)."""
     stall_timeout_s: float = 60.0
     """If the engine makes no progress this long while work is pending, /health answers 503 (and
     baton_engine_stalls_total counts it) until it moves again."""
@@ -181,8 +184,8 @@ class ServerConfig:
             raise ValueError("max_request_bytes must be positive")
         if self.max_waiting_requests < 1 or self.max_sequences_per_request < 1:
             raise ValueError("max_waiting_requests and max_sequences_per_request must be positive")
-        if self.tool_call_parser not in (None, "generic", "hermes", "llama3_json", "mistral"):
-            known = "hermes, llama3_json, mistral or generic"
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            known = ", ".join(TOOL_CALL_PARSERS)
             raise ValueError(f"tool_call_parser must be {known}, got {self.tool_call_parser!r}")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             known = ", ".join(REASONING_PARSERS)

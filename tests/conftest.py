@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 
@@ -10,6 +11,15 @@ import torch
 
 from baton import LLM
 from baton.bench.hf_export import export_hf_dir
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Async test cases (langchain-tests' suite has them) run under pytest-asyncio, which the
+    `clients` extra installs."""
+    for item in items:
+        if inspect.iscoroutinefunction(getattr(item, "function", None)):
+            item.add_marker(pytest.mark.asyncio)
+
 
 # `make test` runs the files in two processes, one per core, with BATON_NUM_THREADS=1 (and
 # OMP_NUM_THREADS=1) set: each computes on one thread, and so do the servers and ranks it starts

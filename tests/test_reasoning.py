@@ -52,7 +52,7 @@ THINK = r"<think>[a-z ]{5,30}</think>[A-Za-z ]{5,30}"
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--reasoning-parser", "qwen3")
+    s = ServerProcess("--reasoning-parser", "qwen3", "--no-ui")
     yield s
     s.terminate()
 
@@ -131,3 +131,8 @@ def test_a_json_schema_reply_validates_with_a_reasoning_parser(server):
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
     message = _chat(server, response_format=fmt).json()["choices"][0]["message"]
     jsonschema.validate(json.loads(message["content"]), SCHEMA)
+
+
+def test_no_ui_serves_no_page(server):  # this module's server runs with --no-ui (the page: test_chat_page.py)
+    assert requests.get(f"{server.base_url}/", timeout=10).status_code == 404
+    assert requests.get(f"{server.base_url}/static/chat.js", timeout=10).status_code == 404

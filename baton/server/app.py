@@ -18,6 +18,7 @@ from baton.handoff.transport import SPAN_MEDIA_TYPE, SpanStore, SpanStoreFull
 from baton.http import INTERNAL_PREFIX, APIError, Guard, error_response, install_error_handlers, unless_hung_up
 from baton.server.metrics import ServerMetrics
 from baton.server.openai_responses import ResponsesRequest, ResponseStore, create_response
+from baton.server.page import add_chat_page
 from baton.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -157,6 +158,9 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, model_name: str) 
     @app.get("/metrics")
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if config.ui:
+        add_chat_page(app)
 
     app.add_middleware(
         Guard,

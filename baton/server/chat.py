@@ -4,22 +4,25 @@ thoughts apart from the answer, non-streamed and as deltas."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 from baton.sampling_params import SamplingParams, StructuredOutputsParams
 from baton.server.protocol import ChatCompletionRequest
 from baton.server.reasoning import PARSERS, ReasoningParser
-from baton.server.responses import ChoiceStream, chat_logprobs, chat_message, sse, stream_safe_text, usage
+from baton.server.responses import ChoiceStream, chat_logprobs, sse, stream_safe_text, usage
 from baton.server.tool_formats import template_format
-from baton.server.tools import plan_tools
+from baton.server.tools import parse_reply, plan_tools
 from baton.tokenizer import apply_chat_template
+
+ReadTools = Callable[[str], tuple[str | None, list[dict]]] | None  # a reply -> (content, tool calls)
 
 
 class ChatServing:
-    def _chat_ids(self, body: ChatCompletionRequest) -> tuple[list[int], StructuredOutputsParams | None, Any]:
+    def _chat_ids(self, body: ChatCompletionRequest) -> tuple[list[int], StructuredOutputsParams | None, ReadTools]:
         """The conversation's token ids, the grammar its tools put on the reply (None without), and
-        how a reply's tool calls are read: None (no tools), "generic", or the template's own format."""
+        how a reply's tool calls are read (None: no tools offered): in the generic format, or in the
+        template's own."""
         choice = body.tool_choice_value()
         if choice not in (None, "none", "auto") and not body.tools:
             raise ValueError("tool_choice 'required' or a named function needs tools")
@@ -40,27 +43,25 @@ class ChatServing:
                 raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")
             forced = named or (tools if choice == "required" else None)
             spec = fmt.grammar(forced, bool(body.parallel_tool_calls)) if forced else None
-            return ids, spec, fmt
+            return ids, spec, partial(fmt.parse, tools=offered)
         plan = plan_tools(messages, tools, choice, bool(body.parallel_tool_calls))
-        mode = "generic" if plan.structured is not None else None
-        return apply_chat_template(tok, plan.messages, **kwargs), plan.structured, mode
+        read = parse_reply if plan.structured is not None else None
+        return apply_chat_template(tok, plan.messages, **kwargs), plan.structured, read
 
     @staticmethod
-    def _message(c, tool_mode) -> tuple[dict, str | None]:
-        """The assistant message of a finished output and its finish reason, tool calls read as
-        `tool_mode` says."""
-        if tool_mode is None or tool_mode == "generic":
-            return chat_message(c, tool_mode is not None)
-        content, calls = tool_mode.parse(c.text)
+    def _message(text: str, finish_reason: str | None, read_tools: ReadTools) -> tuple[dict, str | None]:
+        """The assistant message of a finished answer and its finish reason (tool_calls for calls)."""
+        if read_tools is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        content, calls = read_tools(text)
         if calls:
             return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": content}, c.finish_reason
+        return {"role": "assistant", "content": content}, finish_reason
 
-    def _reasoning(self, ids: list[int], tools: bool) -> tuple[ReasoningParser | None, bool]:
-        """The server's reasoning parser (none with tools: their grammar holds the whole reply), and
-        whether the prompt opened the thinking."""
+    def _reasoning(self, ids: list[int]) -> tuple[ReasoningParser | None, bool]:
+        """The server's reasoning parser, and whether the prompt opened the thinking."""
         parser = PARSERS.get(self.config.reasoning_parser or "")
-        if parser is None or tools:
+        if parser is None:
             return None, False
         return parser, parser.opens_in_prompt(self._decode(ids[-8:]))
 
@@ -76,13 +77,13 @@ class ChatServing:
     async def chat(self, body: ChatCompletionRequest, rid: str, raw_stream: bool = False):
         """The answer (a dict), or streamed an SSE response (`raw_stream`: its chunks' generator)."""
         self.admit(body.n)
-        ids, tool_spec, tool_mode = await self.off_loop(self._chat_ids, body)
+        ids, tool_spec, read_tools = await self.off_loop(self._chat_ids, body)
         _, ids, max_tokens = await self.off_loop(
             self._prepare, {"prompt_token_ids": ids}, body, body.max_completion_tokens or body.max_tokens
         )
         top_n = body.top_logprobs or 0
         params = self._chat_params(body, tool_spec, max_tokens, top_n if body.logprobs else None)
-        reasoning = self._reasoning(ids, tool_mode is not None)
+        reasoning = self._reasoning(ids)
         parser, opened = reasoning
         if parser is not None and params.structured_outputs is not None and body.thinking_enabled():
             # the constraint holds once the thinking ends (with thinking off, from the first token)
@@ -90,14 +91,14 @@ class ChatServing:
         await self.off_loop(self._check, [ids], [params])
         gen = self._tracked(ids, params, rid, kv_span=self._parked_span(body))
         if body.stream:
-            chunks = self._chat_stream(body, rid, ids, top_n, gen, tool_mode, reasoning)
+            chunks = self._chat_stream(body, rid, ids, top_n, gen, read_tools, reasoning)
             return chunks if raw_stream else sse(chunks)
         (out,) = await self._final([gen])
         choices = []
         for c in out.outputs:
-            message, finish_reason = self._message(c, tool_mode)
-            if reasoning[0] is not None:
-                thought, message["content"] = reasoning[0].split(c.text, reasoning[1], True)
+            thought, answer = parser.split(c.text, opened, True) if parser is not None else ("", c.text)
+            message, finish_reason = self._message(answer, c.finish_reason, read_tools)
+            if parser is not None:
                 message["reasoning_content"] = thought or None
             choice = {
                 "index": c.index,
@@ -117,10 +118,10 @@ class ChatServing:
             response["prompt_token_ids"] = ids
         return response
 
-    async def _chat_stream(self, body, rid, ids, top_n, gen, tool_mode, reasoning) -> AsyncIterator[dict]:
-        """With tools the reply is one JSON object, parsed when it is complete: its content or its
-        tool call goes out in the final chunk (OpenAI's stream shape, arguments in one piece). With
-        a reasoning parser, thoughts go out as `reasoning_content` deltas, then the answer's."""
+    async def _chat_stream(self, body, rid, ids, top_n, gen, read_tools, reasoning) -> AsyncIterator[dict]:
+        """With a reasoning parser, thoughts go out as `reasoning_content` deltas, then the answer's.
+        With tools the answer is parsed when it is complete: its content, then each call's name and
+        arguments go out as deltas before the final chunk."""
         parser, opened = reasoning
         head = self._header(rid, "chat.completion.chunk")
         opts = body.stream_options
@@ -147,13 +148,14 @@ class ChatServing:
                 if st.finished:
                     continue
                 done = c.finish_reason is not None
-                if tool_mode is not None and not done:
+                if read_tools is not None and not done and parser is None:
                     continue
                 safe = stream_safe_text(c.text, done, stop)
                 thought = ""
                 if parser is not None:
                     thought, safe = parser.split(safe, opened, done)
                     thought = thought[st.reasoning_sent :]
+                answer, safe = safe, ("" if read_tools is not None else safe)  # with tools: held to the end
                 delta = safe[st.text_sent :]
                 new_ids = c.token_ids[st.tokens_sent :]
                 if not (delta or thought or done or (body.return_token_ids and new_ids)):
@@ -163,10 +165,11 @@ class ChatServing:
                     choice["delta"]["reasoning_content"] = thought
                     st.reasoning_sent += len(thought)
                 finish_reason = c.finish_reason
-                if tool_mode is not None:
-                    message, finish_reason = self._message(c, tool_mode)
+                if read_tools is not None and done:
+                    message, finish_reason = self._message(answer, c.finish_reason, read_tools)
+                    deltas = [choice["delta"]] if thought else []
                     choice["delta"] = {}
-                    deltas = [{"content": message["content"]}] if message["content"] is not None else []
+                    deltas += [{"content": message["content"]}] if message["content"] is not None else []
                     for d in deltas + _call_deltas(message.get("tool_calls") or []):  # a call's name, then arguments
                         yield {**head, "choices": [{"index": c.index, "delta": d, "logprobs": None}]}
                 if body.logprobs:

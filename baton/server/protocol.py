@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Annotated, Any, Literal
 
@@ -257,10 +258,24 @@ class ChatMessage(BaseModel):
             content = "".join(part.text for part in content)
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.tool_calls:
-            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def _template_call(call: ToolCall) -> dict:
+    """A call as chat templates take it (transformers' convention, as vLLM passes it): arguments an
+    object, not the JSON text of one; text that is not a JSON object stays text."""
+    out = call.model_dump()
+    if isinstance(call.function.arguments, str):
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError:
+            return out
+        if isinstance(arguments, dict):
+            out["function"]["arguments"] = arguments
+    return out
 
 
 class FunctionDefinition(BaseModel):

@@ -1,5 +1,5 @@
 """Engine outputs to OpenAI response bodies: whole responses, stream chunks (server-sent events),
-logprobs in both shapes, assistant messages with tool calls."""
+logprobs in both shapes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from fastapi.responses import StreamingResponse
 
 from baton.outputs import PositionLogprobs, RequestOutput
-from baton.server.tools import parse_reply
 
 
 @dataclass
@@ -101,16 +100,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
-
-
-def chat_message(c, tools: bool) -> tuple[dict, str | None]:
-    """The assistant message of a finished output, and its finish reason (tool_calls for a call)."""
-    if not tools:
-        return {"role": "assistant", "content": c.text}, c.finish_reason
-    content, calls = parse_reply(c.text)
-    if calls:
-        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-    return {"role": "assistant", "content": content}, c.finish_reason
 
 
 async def _events(events: AsyncIterator[dict]) -> AsyncIterator[str]:

@@ -157,10 +157,6 @@ def parse_reply(text: str) -> tuple[str | None, list[dict]]:
     return text, []
 
 
-def _arguments(arguments) -> str:
-    return json.dumps(arguments, ensure_ascii=False)
-
-
 def _cut_response(text: str) -> str | None:
     """The text of a `{"response": "...` reply that max_tokens cut; None for anything else (a cut call)."""
     head = '{"response": "'
