@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import random
 
@@ -13,12 +12,11 @@ from baton import LLM
 from baton.bench.hf_export import export_hf_dir
 
 
-def pytest_collection_modifyitems(items) -> None:
+def pytest_configure(config) -> None:
     """Async test cases (langchain-tests' suite has them) run under pytest-asyncio, which the
-    `clients` extra installs."""
-    for item in items:
-        if inspect.iscoroutinefunction(getattr(item, "function", None)):
-            item.add_marker(pytest.mark.asyncio)
+    `clients` extra installs; its auto mode takes them without a mark in the suite's code."""
+    if config.pluginmanager.hasplugin("asyncio"):
+        config.option.asyncio_mode = "auto"
 
 
 # `make test` runs the files in two processes, one per core, with BATON_NUM_THREADS=1 (and
