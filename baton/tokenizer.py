@@ -33,9 +33,26 @@ def load_tokenizer(model_path: Path, cache_dir: Path, tokenizer: str | None = No
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
     logger.info("converting the tokenizer of %s (cached in %s)", model_path.name, cached)
-    tok = AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
+    tok = _gguf_tokenizer(model_path)
     _save_atomically(tok, cached)
     return tok
+
+
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """A GGUF file's tokenizer, as transformers converts it; for an architecture transformers does not
+    load (the hybrids llama.cpp writes), from the vocabulary's own kind (tokenizer.ggml.model), which
+    is all the conversion reads."""
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as e:
+        if "is not supported yet" not in str(e):
+            raise
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    architecture, vocabulary, tokenizer_config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(architecture, vocabulary)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
 def _save_atomically(tok: PreTrainedTokenizerBase, cached: Path) -> None:

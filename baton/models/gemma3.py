@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from baton.models.fused_decode import DecodeBlock, StepBinding, mixer_mlp_blocks
+from baton.models.gguf_arch import ATTENTION_NAMES, MLP_NAMES, GGUFArch, GGUFMetadata, Value, float_op
 from baton.models.layers import RMSNorm, unwrapped
-from baton.models.llama import Attention, ForwardContext, GatedMLP, LlamaForCausalLM
+from baton.models.llama import Attention, ForwardContext, GatedMLP, LlamaForCausalLM, llama_gguf_config
 from baton.models.model_config import TextModelConfig
 
 
@@ -57,3 +58,24 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         return x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
+
+def _gemma3_norms(hf_name: str, value: Value, meta: GGUFMetadata):
+    """llama.cpp stores Gemma's (1 + w) norm weights with the 1 added."""
+    yield hf_name, float_op(value, lambda t: t - 1.0) if hf_name.endswith("norm.weight") else value
+
+
+GGUF_ARCHS = {
+    "gemma3": GGUFArch(
+        "Gemma3ForCausalLM",
+        lambda meta: llama_gguf_config(meta, "Gemma3ForCausalLM"),
+        {
+            **ATTENTION_NAMES,
+            **MLP_NAMES,
+            "ffn_norm.weight": "pre_feedforward_layernorm.weight",  # sandwich norms: ffn_norm is the pre-MLP one
+            "post_attention_norm.weight": "post_attention_layernorm.weight",
+            "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        },
+        transform=_gemma3_norms,
+    )
+}

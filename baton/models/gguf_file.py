@@ -1,9 +1,9 @@
-"""GGUF files: metadata to an HF-style config, tensors renamed to HF names (dequantized, or matrices
-kept in their GGUF blocks)."""
+"""GGUF files read as HF checkpoints: the architecture's declaration (gguf_arch.GGUFArch, found in
+the registry) gives the config and the names; this module only reads: metadata, then tensors
+(dequantized, or matrices kept in their GGUF blocks), each under its HF name."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,140 +12,115 @@ import gguf
 import numpy as np
 import torch
 
+from baton.models.gguf_arch import GGUFArch, GGUFMetadata, Value
 from baton.models.gguf_blocks import BLOCK_FORMATS, BlockTensor
+from baton.models.registry import GGUF_ARCHITECTURES
 
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-}
-
-_CONFIG_KEYS = {
-    "context_length": "max_position_embeddings",
-    "block_count": "num_hidden_layers",
-    "feed_forward_length": "intermediate_size",
-    "embedding_length": "hidden_size",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "attention.key_length": "head_dim",
-    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "attention.sliding_window": "sliding_window",
-    "rope.freq_base": "rope_theta",
-    "vocab_size": "vocab_size",
-}
-
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_SKIPPED = {"rope_freqs.weight"}
+_FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+_READABLE = {"F32", "F16", "F64", *(t.name for t in gguf.quants._type_traits)}
 
 
 class GGUFFile:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.reader = gguf.GGUFReader(str(path))
-        arch = self.field("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as e:  # the gguf package's errors for a bad or truncated file are of many types
+            raise ValueError(f"{path.name}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        arch = self._field("general.architecture")
+        self.spec: GGUFArch | None = GGUF_ARCHITECTURES.get(arch) if isinstance(arch, str) else None
+        if self.spec is None:
             raise ValueError(
                 f"{path.name}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
             )
         self.gguf_arch = arch
-        self.architecture = GGUF_ARCHITECTURES[arch]
+        self.architecture = self.spec.architecture
+        shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in self.reader.tensors}
+        self.meta = GGUFMetadata(_Fields(self.reader), arch, path.name, shapes)
         self.config = self._config()
 
-    def field(self, key: str, default: Any = None) -> Any:
+    def _field(self, key: str) -> Any:
         f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        value = f.contents()
-        return value
+        return None if f is None else f.contents()
 
     def _config(self) -> dict[str, Any]:
-        cfg: dict[str, Any] = {"architectures": [self.architecture]}
-        for key, hf_key in _CONFIG_KEYS.items():
-            value = self.field(f"{self.gguf_arch}.{key}")
-            if value is not None:
-                cfg[hf_key] = value
+        cfg = self.spec.config(self.meta)
         names = {t.name for t in self.reader.tensors}
-        embd = next(t for t in self.reader.tensors if t.name == "token_embd.weight")
-        cfg.setdefault("vocab_size", int(embd.shape[1]))
+        embd = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
+        if embd is None or len(embd.shape) != 2:
+            raise ValueError(f"{self.path.name}: no token_embd.weight matrix")
+        cfg["vocab_size"] = int(embd.shape[1])
         cfg["tie_word_embeddings"] = "output.weight" not in names
-        scaling = self.field(f"{self.gguf_arch}.rope.scaling.type")
-        if scaling == "linear":
-            cfg["rope_scaling"] = {"rope_type": "linear", "factor": self.field(f"{self.gguf_arch}.rope.scaling.factor")}
-        elif scaling not in (None, "none"):
-            raise ValueError(f"{self.path.name}: unsupported rope scaling {scaling!r}")
-        if self.architecture == "Qwen2ForCausalLM":
-            cfg["attention_bias"] = True
-        if "sliding_window" in cfg and self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-            cfg.pop("sliding_window")
-        cfg["bos_token_id"] = self.field("tokenizer.ggml.bos_token_id")
-        cfg["eos_token_id"] = self.field("tokenizer.ggml.eos_token_id")
         return cfg
 
-    def hf_name(self, gguf_name: str) -> str | None:
-        if gguf_name in _SKIPPED:
-            return None
-        base, _, suffix = gguf_name.rpartition(".")
-        m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-        if m:
-            part = m.group(2)
-            if part == "ffn_norm":  # Gemma3 has sandwich norms: ffn_norm is the pre-MLP one
-                hf = "pre_feedforward_layernorm" if self.gguf_arch == "gemma3" else "post_attention_layernorm"
-            else:
-                hf = _LAYER_NAMES.get(part, part)
-            return f"model.layers.{m.group(1)}.{hf}.{suffix}"
-        return f"{_GLOBAL_NAMES.get(base, base)}.{suffix}"
+    def _stored(self) -> Iterator[tuple[Any, str]]:
+        """The tensors something reads, with the HF name each is read under."""
+        for t in self.reader.tensors:
+            if _kept_elsewhere(t.name, self.config["num_hidden_layers"]):
+                continue
+            name = self.spec.hf_name(t.name)
+            if name is None:
+                raise ValueError(f"{self.path.name}: tensor {t.name} is not one a {self.gguf_arch} model has")
+            if t.tensor_type.name not in _READABLE:
+                raise ValueError(
+                    f"{self.path.name}: tensor {t.name} is of type {t.tensor_type.name}, which baton cannot read"
+                )
+            yield t, name
 
     def header(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """HF name -> (shape, stored type), read without dequantizing anything."""
+        """HF name -> (shape, stored type): the transforms run on meta tensors, nothing is read."""
         out = {}
-        for t in self.reader.tensors:
-            name = self.hf_name(t.name)
-            if name is not None:
-                out[name] = (tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name)
+        for t, name in self._stored():
+            shape = tuple(int(d) for d in reversed(t.shape))
+            stand_in = torch.empty(shape, device="meta")
+            try:
+                for hf, value in self.spec.hf_tensors(name, stand_in, self.meta):
+                    out[hf] = (tuple(value.shape), t.tensor_type.name)
+            except (IndexError, RuntimeError, ValueError) as e:  # a shape the transform cannot take
+                raise ValueError(
+                    f"{self.path.name}: tensor {t.name} of shape {list(shape)} does not fit ({e})"
+                ) from None
         return out
 
-    def tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
-        """Every tensor under its HF name, dequantized to float32; with `keep_blocks`, matrices in
-        a format baton's kernels read stay in their GGUF blocks (BlockTensor)."""
-        heads = self.config["num_attention_heads"]
-        kv_heads = self.config.get("num_key_value_heads", heads)
-        for t in self.reader.tensors:
-            name = self.hf_name(t.name)
-            if name is None:
-                continue
-            blocks = keep_blocks and len(t.shape) == 2 and t.tensor_type.name in BLOCK_FORMATS
-            if blocks:
-                data = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # rows of block bytes
+    def tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, Value]]:
+        """Every tensor under its HF name, dequantized to float32; with `keep_blocks`, matrices in a
+        format baton's kernels read stay in their GGUF blocks (BlockTensor; stacked experts as one
+        [experts * N, K] block matrix the transform splits)."""
+        for t, name in self._stored():
+            shape = tuple(int(d) for d in reversed(t.shape))
+            value: Value
+            if keep_blocks and len(shape) in (2, 3) and t.tensor_type.name in BLOCK_FORMATS:
+                rows = np.asarray(t.data).reshape(int(np.prod(shape[:-1])), -1)  # rows of block bytes
+                value = BlockTensor.from_rows(t.tensor_type.name, np.array(rows, copy=True))
             else:
-                data = gguf.quants.dequantize(t.data, t.tensor_type)
-                data = np.ascontiguousarray(data.reshape(tuple(int(d) for d in reversed(t.shape))))
-            if self.gguf_arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
-                data = _unpermute_rope(data, heads if "q_proj" in name else kv_heads)  # rows: same for blocks
-            if self.gguf_arch == "gemma3" and name.endswith("norm.weight"):
-                data = data - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
-            if blocks:
-                yield name, BlockTensor.from_rows(t.tensor_type.name, np.array(data, copy=True))
-            else:
-                yield name, torch.from_numpy(np.array(data, copy=True) if not data.flags.writeable else data)
+                value = torch.from_numpy(_float32(t, shape))
+            yield from self.spec.hf_tensors(name, value, self.meta)
 
 
-def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's interleaved-rope row order, back to HF's rotate-half order."""
-    dim = w.shape[0] // n_head // 2
-    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def _float32(t: Any, shape: tuple[int, ...]) -> np.ndarray:
+    if t.tensor_type.name in _FLOAT_TYPES:
+        data = np.asarray(t.data).astype(np.float32)
+    else:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+    if data.size != int(np.prod(shape)):
+        raise ValueError(f"tensor {t.name}: {data.size} values for shape {list(shape)}")
+    return np.array(data.reshape(shape), dtype=np.float32, copy=True)
+
+
+def _kept_elsewhere(gguf_name: str, num_layers: int) -> bool:
+    """A block past the trunk: an MTP (nextn) layer a file carries for speculative decoding."""
+    if not gguf_name.startswith("blk."):
+        return False
+    index = gguf_name.split(".", 2)[1]
+    return index.isdigit() and int(index) >= num_layers
+
+
+class _Fields:
+    """The reader's fields by key, each read only when asked (tokenizer arrays are large)."""
+
+    def __init__(self, reader: gguf.GGUFReader) -> None:
+        self.reader = reader
+
+    def get(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()

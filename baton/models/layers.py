@@ -138,6 +138,7 @@ def pack_linears(
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear)
     ]
+    _dequantize_the_rest(model, block_weights, {f"{full}.weight" for *_, full in linears})
     blocks: dict[str, BlockWeight] = {}
     for _, _, child, full in linears:
         weight = block_weights.get(f"{full}.weight")
@@ -164,6 +165,34 @@ def pack_linears(
             setattr(parent, name, StackedLinear.from_blocks(weight, child.bias))
         elif weight is not None:
             setattr(parent, name, PackedLinear.from_blocks(weight, child.bias))
+
+
+def _dequantize_the_rest(model: nn.Module, block_weights: dict[str, BlockWeight], linear_weights: set[str]) -> None:
+    """A weight in blocks that no linear takes (a router's plain parameter, a file's odd choice) is
+    dequantized into its parameter rather than left unread."""
+    for name in sorted(set(block_weights) - linear_weights):
+        parts = block_weights.pop(name)
+        param = model.get_parameter(name)
+        dense = torch.cat([p.dequantize() for p in (parts if isinstance(parts, list) else [parts])])
+        param.data.copy_(dense.reshape(param.shape))
+
+
+def pack_model(
+    model: nn.Module, embed_attr: str, block_weights: dict[str, BlockWeight], quantization: str | None
+) -> None:
+    """pack_linears for a whole causal LM whose embedding is `model.<embed_attr>`: a tied lm_head gets
+    its own packed copy when float (the embedding stays a plain table for lookups); in GGUF blocks,
+    the embedding and the lm_head read the same blocks."""
+    embed = block_weights.get(f"{embed_attr}.weight")
+    if model.lm_head is None:
+        model.lm_head = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False, device="meta")
+        model.lm_head.weight = getattr(model, embed_attr).weight
+        if embed is not None:
+            block_weights["lm_head.weight"] = embed
+    if embed is not None:
+        setattr(model, embed_attr, BlockEmbedding(block_weights.pop(f"{embed_attr}.weight")))
+    pack_linears(model, block_weights, quantization)
+    block_weights.clear()
 
 
 def describe_linears(model: nn.Module) -> str:

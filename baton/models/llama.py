@@ -18,22 +18,31 @@ from baton.models.fused_decode import (
     gated_mlp_step,
     mixer_mlp_blocks,
 )
-from baton.models.gguf_blocks import BlockTensor, BlockWeight, stack_rows
+from baton.models.gguf_arch import (
+    ATTENTION_NAMES,
+    MLP_NAMES,
+    GGUFArch,
+    GGUFMetadata,
+    Value,
+    base_config,
+    take_rows,
+)
+from baton.models.gguf_blocks import BlockTensor, BlockWeight
 from baton.models.layers import (
-    BlockEmbedding,
     GroupAttnMetadata,
     PackedLinear,
     RMSNorm,
     StackedLinear,
     embedding,
     gated_activation,
-    pack_linears,
+    pack_model,
     paged_attention,
     unwrapped,
 )
 from baton.models.model_config import TextModelConfig
 from baton.models.recurrent import StateMetadata
 from baton.models.rope import Rotary, apply_rotary
+from baton.models.weight_map import BlockRows
 
 
 @dataclass
@@ -148,7 +157,7 @@ class LlamaForCausalLM(FusedDecoding, nn.Module):
         self.layer_kinds = [k for k in dict.fromkeys(kind.name for kind in cfg.layer_kinds) if k in self.rotary]
         self.fused_decode = True  # decode-only steps as one C++ call where every layer has its steps
         self.block_weights: dict[str, BlockWeight] = {}  # weights kept in GGUF blocks, by parameter name
-        self._block_parts: dict[str, list[BlockTensor | None]] = {}  # a fused projection's parts so far
+        self.block_rows = BlockRows(self, self.block_weights)  # fused projections' parts so far
         self.requires_grad_(False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -172,19 +181,8 @@ class LlamaForCausalLM(FusedDecoding, nn.Module):
 
     def pack_linears(self, quantization: str | None = None) -> None:
         """Run the projections and the lm_head on baton's packed kernels (after loading): in the GGUF
-        formats the checkpoint shipped them in, else quantized into `quantization`, else float32.
-        A tied lm_head gets its own packed copy when float (the embedding stays a plain table for
-        lookups); in GGUF blocks, the embedding and the lm_head read the same blocks."""
-        embed = self.block_weights.get("embed_tokens.weight")
-        if self.lm_head is None:
-            self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False, device="meta")
-            self.lm_head.weight = self.embed_tokens.weight
-            if embed is not None:
-                self.block_weights["lm_head.weight"] = embed
-        if embed is not None:
-            self.embed_tokens = BlockEmbedding(embed)
-        pack_linears(self, self.block_weights, quantization)
-        self.block_weights = {}
+        formats the checkpoint shipped them in, else quantized into `quantization`, else float32."""
+        pack_model(self, "embed_tokens", self.block_weights, quantization)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
@@ -199,10 +197,11 @@ class LlamaForCausalLM(FusedDecoding, nn.Module):
         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     }
 
-    def _shard_rows(self, fused: str) -> list[int]:
-        if fused == "self_attn.qkv_proj":
+    def _shard_rows(self, fused: str, param: str) -> list[int]:
+        """The rows each checkpoint part of fused parameter `param` takes, in order."""
+        if fused.endswith("qkv_proj"):
             return list(self.layers[0].self_attn.sizes)
-        return [self.cfg.intermediate_size] * 2
+        return [self.get_parameter(param).shape[0] // 2] * 2
 
     def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every HF checkpoint name this model needs, with its shape."""
@@ -213,27 +212,21 @@ class LlamaForCausalLM(FusedDecoding, nn.Module):
             if fused is None:
                 shapes[hf] = tuple(p.shape)
                 continue
-            for part, rows in zip(self._UNFUSED[fused], self._shard_rows(fused)):
+            for part, rows in zip(self._UNFUSED[fused], self._shard_rows(fused, name)):
                 shapes[hf.replace(fused, part)] = (rows, *p.shape[1:])
         return shapes
 
     def load_weight(self, hf_name: str, tensor: torch.Tensor | BlockTensor) -> None:
         """A float tensor is copied into its parameter; a matrix in GGUF blocks is kept for
-        pack_linears (the parts of a fused projection gathered in order)."""
+        pack_linears (a fused projection's parts gathered by BlockRows)."""
         name = hf_name.removeprefix("model.")
         for fused, parts in self._UNFUSED.items():
             for shard, part in enumerate(parts):
                 if f".{part}." in name:
                     target = name.replace(part, fused)
-                    if isinstance(tensor, BlockTensor):
-                        self._block_parts.setdefault(target, [None] * len(parts))[shard] = tensor
-                        if all(p is not None for p in self._block_parts[target]):
-                            self._gather_blocks(target, self._block_parts.pop(target))
-                        return
-                    rows = self._shard_rows(fused)
+                    rows = self._shard_rows(fused, target)
                     start = sum(rows[:shard])
-                    param = self.get_parameter(target)
-                    param.data[start : start + rows[shard]].copy_(tensor)
+                    self.block_rows.place(target, torch.arange(start, start + rows[shard]), tensor)
                     return
         if isinstance(tensor, BlockTensor):
             self.block_weights[name] = tensor
@@ -243,17 +236,52 @@ class LlamaForCausalLM(FusedDecoding, nn.Module):
     def finish_loading(self) -> None:
         """After the last tensor: a fused projection whose other parts came as float tensors (formats
         baton's kernels do not read, dequantized at load, as Q3_K_M's Q3_K q and k beside a Q5_K v)
-        waits for parts that never come; its parts in blocks are dequantized into their rows of the
-        float parameter."""
-        for target, parts in self._block_parts.items():
-            fused = next(f for f in self._UNFUSED if target.endswith(f"{f}.weight"))
-            rows, param = self._shard_rows(fused), self.get_parameter(target)
-            for shard, part in enumerate(parts):
-                if part is not None:
-                    start = sum(rows[:shard])
-                    param.data[start : start + rows[shard]].copy_(part.dequantize())
-        self._block_parts.clear()
+        has its parts in blocks dequantized into their rows of the float parameter."""
+        self.block_rows.finish()
 
-    def _gather_blocks(self, name: str, parts: list[BlockTensor]) -> None:
-        """A fused projection's parts, in their formats (stack_rows)."""
-        self.block_weights[name] = stack_rows(parts)
+
+# ---- GGUF: llama.cpp's llama, mistral, qwen2 and qwen3 files --------------------------------------
+
+
+def llama_gguf_config(meta: GGUFMetadata, architecture: str) -> dict:
+    cfg = base_config(meta, architecture)
+    cfg["intermediate_size"] = meta.integer("feed_forward_length")
+    cfg["num_key_value_heads"] = meta.integer("attention.head_count_kv", cfg["num_attention_heads"])
+    window = meta.get("attention.sliding_window")
+    if window and architecture in ("MistralForCausalLM", "Gemma3ForCausalLM"):
+        cfg["sliding_window"] = meta.integer("attention.sliding_window")
+    if architecture == "Qwen2ForCausalLM":
+        cfg["attention_bias"] = True
+    return cfg
+
+
+def _unpermute_rope(hf_name: str, value: Value, meta: GGUFMetadata):
+    """llama.cpp stores Llama's q and k rows in interleaved-rope order: back to HF's rotate-half."""
+    if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = meta.integer("attention.head_count")
+        if "k_proj" in hf_name:
+            heads = meta.integer("attention.head_count_kv", heads)
+        n = value.shape[0]
+        dim = n // heads // 2
+        value = take_rows(value, torch.arange(n).view(heads, dim, 2).transpose(1, 2).reshape(n))
+    yield hf_name, value
+
+
+_LLAMA_NAMES = {**ATTENTION_NAMES, **MLP_NAMES}
+
+
+def _llama_arch(architecture: str, rope_interleaved: bool) -> GGUFArch:
+    return GGUFArch(
+        architecture,
+        lambda meta: llama_gguf_config(meta, architecture),
+        _LLAMA_NAMES,
+        transform=_unpermute_rope if rope_interleaved else None,
+    )
+
+
+GGUF_ARCHS = {
+    "llama": _llama_arch("LlamaForCausalLM", True),
+    "mistral": _llama_arch("MistralForCausalLM", True),
+    "qwen2": _llama_arch("Qwen2ForCausalLM", False),
+    "qwen3": _llama_arch("Qwen3ForCausalLM", False),
+}

@@ -220,9 +220,12 @@ class GGUFCache:
     tensors' `gguf_content_sha256`, hashed once on the cold load, and which tensors are blocks.
     """
 
+    LAYOUT = 2  # how GGUF tensors become HF ones (gguf_arch): a change makes new cache entries
+
     def __init__(self, path: Path, cache_dir: Path, keep_blocks: bool = False) -> None:
         stat = path.stat()
-        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{self.LAYOUT}"
+        key = hashlib.sha256(key.encode()).hexdigest()[:16]
         self.path = path
         self.keep_blocks = keep_blocks
         self.file = cache_dir / "weights" / f"{path.stem}-{key}{'-blocks' if keep_blocks else ''}.safetensors"

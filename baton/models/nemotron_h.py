@@ -25,7 +25,8 @@ from baton.models.fused_decode import (
     plain_float32,
     state_args,
 )
-from baton.models.layers import RMSNorm, embedding, pack_linears, paged_attention, unwrapped
+from baton.models.gguf_blocks import BlockTensor
+from baton.models.layers import RMSNorm, embedding, pack_model, paged_attention, unwrapped
 from baton.models.llama import ForwardContext
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import ExpertElsewhere, SigmoidRouter, run_experts
@@ -305,6 +306,7 @@ class NemotronHForCausalLM(FusedDecoding, nn.Module):
         self.norm_f = RMSNorm(cfg.hidden_size, _eps(cfg))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.fused_decode = True  # decode-only steps as one C++ call (baton/models/fused_decode.py)
+        self.block_weights: dict[str, BlockTensor] = {}  # weights kept in GGUF blocks, by parameter name
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -320,10 +322,7 @@ class NemotronHForCausalLM(FusedDecoding, nn.Module):
         return self.norm_f if isinstance(self.norm_f, RMSNorm) else None  # a pipeline stage before the last: none
 
     def pack_linears(self, quantization: str | None = None) -> None:
-        if self.lm_head is None:
-            self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False, device="meta")
-            self.lm_head.weight = self.embeddings.weight
-        pack_linears(self, quantization=quantization)
+        pack_model(self, "embeddings", self.block_weights, quantization)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.embeddings.weight) if self.lm_head is None else self.lm_head(hidden)
@@ -335,6 +334,9 @@ class NemotronHForCausalLM(FusedDecoding, nn.Module):
             for name, p in self.named_parameters()
         }
 
-    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
+    def load_weight(self, hf_name: str, tensor: torch.Tensor | BlockTensor) -> None:
         name = hf_name.removeprefix("backbone.").removeprefix("model.")
-        self.get_parameter(name).data.copy_(tensor)
+        if isinstance(tensor, BlockTensor):
+            self.block_weights[name] = tensor
+        else:
+            self.get_parameter(name).data.copy_(tensor)

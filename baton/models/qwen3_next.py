@@ -231,28 +231,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
             x, residual = layer(x, residual, rope, ctx)
         return self.norm(x, residual)
 
-    _UNFUSED = {"gate_up_proj": ("gate_proj", "up_proj")}
-
-    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes: dict[str, tuple[int, ...]] = {}
-        for name, p in self.named_parameters():
-            hf = name if name.startswith("lm_head.") else f"model.{name}"
-            if ".gate_up_proj." in hf:
-                for part in ("gate_proj", "up_proj"):
-                    shapes[hf.replace("gate_up_proj", part)] = (p.shape[0] // 2, *p.shape[1:])
-            else:
-                shapes[hf] = tuple(p.shape)
-        return shapes
-
-    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
-        name = hf_name.removeprefix("model.")
-        for shard, part in enumerate(("gate_proj", "up_proj")):
-            if f".{part}." in name:
-                param = self.get_parameter(name.replace(part, "gate_up_proj"))
-                rows = param.shape[0] // 2
-                param.data[shard * rows : (shard + 1) * rows].copy_(tensor)
-                return
-        self.get_parameter(name).data.copy_(tensor)
+    _UNFUSED = {"gate_up_proj": ("gate_proj", "up_proj")}  # of the dense MLPs, the experts, the shared expert
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
@@ -279,9 +258,9 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
         part = next((p for p in self._SPLIT if f".linear_attn.{p}." in hf_name), None)
         if part is None:
             return super().load_weight(hf_name, tensor)
-        gdn = self.get_submodule(hf_name.removeprefix("model.").rsplit(".", 2)[0])
-        packed = gdn.in_proj_ba if part in ("in_proj_b", "in_proj_a") else gdn.in_proj_qkvz
-        packed.weight.data[interleaved_rows(gdn, part)] = tensor
+        module = hf_name.removeprefix("model.").rsplit(".", 2)[0]
+        fused = "in_proj_ba" if part in ("in_proj_b", "in_proj_a") else "in_proj_qkvz"
+        self.block_rows.place(f"{module}.{fused}.weight", interleaved_rows(self.get_submodule(module), part), tensor)
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):

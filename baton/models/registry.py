@@ -1,11 +1,13 @@
-"""The one place that maps an HF architecture name to its model class."""
+"""The one place that maps an architecture name (HF's, or a GGUF file's) to its model class."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from baton.models import gemma3, llama, nemotron_h_gguf, qwen3_next_gguf
 from baton.models.dsa import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from baton.models.gemma3 import Gemma3ForCausalLM
+from baton.models.gguf_arch import GGUFArch
 from baton.models.glm4_moe import Glm4MoeForCausalLM
 from baton.models.glm5_flash import Glm5FlashForCausalLM
 from baton.models.kimi_linear import KimiLinearForCausalLM
@@ -38,3 +40,12 @@ def model_class(architecture: str) -> type[nn.Module]:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
         ) from None
+
+
+GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
+    **llama.GGUF_ARCHS,
+    **gemma3.GGUF_ARCHS,
+    **qwen3_next_gguf.GGUF_ARCHS,
+    **nemotron_h_gguf.GGUF_ARCHS,
+}
+"""llama.cpp's architecture names (a GGUF file's general.architecture), each as its family declares it."""

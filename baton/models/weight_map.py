@@ -1,10 +1,17 @@
 """A model's parameters as the checkpoint tensors they are made of: each parameter names its parts
 (checkpoint name, first row, shape), and loading copies each part into its rows. Families whose
-checkpoints split what baton fuses (KDA's in_proj and conv, gate | up) share it."""
+checkpoints split what baton fuses (KDA's in_proj and conv, gate | up) share it; BlockRows gathers
+such parts when they come in GGUF blocks."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+from baton.models.gguf_blocks import BlockTensor, stack_rows
+
+logger = logging.getLogger(__name__)
 
 Part = tuple[str, int | None, tuple[int, ...]]  # checkpoint name, first row (None: all of it), shape
 
@@ -52,3 +59,56 @@ class PartsWeightMap:
         param = self.get_parameter(name).data  # type: ignore[attr-defined]
         dst = param if start is None else param[start : start + shape[0]]
         dst.copy_(tensor.reshape(dst.shape))
+
+
+class BlockRows:
+    """A parameter's rows gathered from checkpoint tensors that arrive one at a time, float or in
+    GGUF blocks. Float parts are copied into the parameter at once; parts in blocks wait until
+    every row is there, then stay blocks: consecutive row runs stacked (formats may differ:
+    stack_rows), scattered rows (an interleaved layout) joined where they share one format, and
+    dequantized into the parameter otherwise (logged)."""
+
+    def __init__(self, model: torch.nn.Module, block_weights: dict) -> None:
+        self.model, self.block_weights = model, block_weights
+        self.pending: dict[str, list[tuple[torch.Tensor, BlockTensor]]] = {}
+        self.placed: dict[str, int] = {}
+
+    def place(self, name: str, rows: torch.Tensor | None, value: torch.Tensor | BlockTensor) -> None:
+        """`value` is rows `rows` of parameter `name` (None: all of it)."""
+        param = self.model.get_parameter(name)
+        if rows is None:
+            rows = torch.arange(param.shape[0])
+        if isinstance(value, BlockTensor):
+            self.pending.setdefault(name, []).append((rows, value))
+        else:
+            param.data[rows] = value.reshape(len(rows), *param.shape[1:]).to(param.dtype)
+        self.placed[name] = self.placed.get(name, 0) + len(rows)
+        if self.placed[name] == param.shape[0] and name in self.pending:
+            self._join(name, param)
+
+    def _join(self, name: str, param: torch.Tensor) -> None:
+        parts = sorted(self.pending.pop(name), key=lambda p: int(p[0][0]))
+        if sum(len(r) for r, _ in parts) != param.shape[0]:  # some rows came as float: all float
+            self._dequantize(name, param, parts)
+            return
+        order = torch.cat([r for r, _ in parts])
+        if torch.equal(order, torch.arange(param.shape[0])):
+            self.block_weights[name] = stack_rows([b for _, b in parts])
+        elif len({(b.qtype, b.blocks.shape[1:]) for _, b in parts}) == 1:
+            blocks = torch.empty(param.shape[0], *parts[0][1].blocks.shape[1:], dtype=torch.uint8)
+            for rows, b in parts:
+                blocks[rows] = b.blocks
+            self.block_weights[name] = BlockTensor(parts[0][1].qtype, blocks)
+        else:
+            self._dequantize(name, param, parts)
+
+    def _dequantize(self, name: str, param: torch.Tensor, parts: list[tuple[torch.Tensor, BlockTensor]]) -> None:
+        formats = sorted({b.qtype for _, b in parts})
+        logger.info("%s: parts in %s interleaved with others; kept as float32", name, "/".join(formats))
+        for rows, b in parts:
+            param.data[rows] = b.dequantize().to(param.dtype)
+
+    def finish(self) -> None:
+        """After the last tensor: parts whose other rows came as float are dequantized."""
+        for name in list(self.pending):
+            self._dequantize(name, self.model.get_parameter(name), self.pending.pop(name))
