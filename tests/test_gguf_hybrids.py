@@ -1,9 +1,13 @@
-"""The hybrid GGUF files llama.cpp writes (qwen35, qwen3next, nemotron_h_moe, and a dense Nemotron-H),
-made from random transformers checkpoints by llama.cpp's own converter: served by baton with
-transformers' greedy tokens on the source checkpoint; quantized files' blocks placed as their float
-values are; bad files refused at load, naming the file and the problem."""
+"""The hybrid GGUF files llama.cpp writes (qwen35, qwen35moe, qwen3next, nemotron_h_moe, and a dense
+Nemotron-H), made from random transformers checkpoints by llama.cpp's own converter: served by baton
+with transformers' greedy tokens on the source checkpoint (and so is the checkpoint's directory);
+quantized files' blocks placed as their float values are; bad files refused at load, naming the file
+and the problem."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import gguf
 import numpy as np
@@ -66,6 +70,7 @@ CASES = {  # name: (architecture, config, the GGUF architecture the converter wr
         "qwen35",
     ),
     "qwen3next-moe": ("Qwen3NextForCausalLM", {**QWEN, **MOE, "num_hidden_layers": 4}, "qwen3next"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", {**QWEN, **MOE, "num_hidden_layers": 4}, "qwen35moe"),
     "nemotron_h-moe": (
         "NemotronHForCausalLM",
         {**NEMOTRON, **NEMOTRON_MOE, "hybrid_override_pattern": "M*MEM*E", "tie_word_embeddings": False},
@@ -82,17 +87,24 @@ PROMPTS = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """case -> (transformers reference, F32 GGUF path), converted once for the module."""
+    """case -> (transformers reference, F32 GGUF path, HF directory), converted once for the module."""
     made = {}
     for case, (arch, config, _) in CASES.items():
         ref, hf_dir = make_model(tmp_path_factory.mktemp(case), arch, **config)
-        made[case] = ref, convert(hf_dir, hf_dir.parent / f"{case}.gguf", "--no-mtp")
+        source = hf_dir
+        if arch == "Qwen3_5MoeForCausalLM":
+            # the converter reads the tokenizer through AutoTokenizer, which gives qwen3_5_moe_text
+            # Qwen's own pre-tokenizer in place of the files' (SmolLM2's), whose hash it knows
+            source = shutil.copytree(hf_dir, hf_dir.parent / f"{case}-for-converter")
+            cfg = json.loads((source / "config.json").read_text())
+            (source / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_5_text"}))
+        made[case] = ref, convert(source, hf_dir.parent / f"{case}.gguf", "--no-mtp"), hf_dir
     return made
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_llama_cpp_files_give_transformers_tokens(files, case):
-    ref, path = files[case]
+    ref, path, hf_dir = files[case]
     assert gguf.GGUFReader(str(path)).fields["general.architecture"].contents() == CASES[case][2]
     llm = LLM(str(path), progress=False, block_size=16, max_num_batched_tokens=37, kv_cache_memory_bytes=64 << 20)
     with torch.no_grad():
@@ -107,6 +119,12 @@ def test_llama_cpp_files_give_transformers_tokens(files, case):
         assert out.outputs[0].token_ids == want
     assert llm.engine.model.fused_decoder is not None  # the decode steps ran as one C++ call
     assert llm.engine.kv.all_free()
+    # the source directory itself: the same tokens
+    from_dir = LLM(str(hf_dir), progress=False, block_size=16, kv_cache_memory_bytes=64 << 20)
+    again = from_dir.generate(
+        [{"prompt_token_ids": PROMPTS[1]}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    )
+    assert again[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("case", ["qwen35-odd-pattern", "nemotron_h-moe"])

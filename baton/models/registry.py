@@ -24,6 +24,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,  # the same program with Qwen3-Next's MoE layers
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
