@@ -268,3 +268,18 @@ def test_block_rows_join_scatter_and_fall_back_to_float():
         and torch.equal(model.b.data[even], x.dequantize())
         and torch.equal(model.b.data[odd], y.dequantize())
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["qwen35-odd-pattern", "nemotron_h-moe"])
+def test_quantized_hybrid_files_at_tp2_and_pp2_match_one_rank(files, tmp_path, case):
+    """A Q8_0 file's blocks (BlockRows' joins, experts split by rows) sharded over two ranks and cut
+    into two stages: one rank's tokens, logits within 1e-4. The float kernel on float32 KV, as for
+    SmolLM2 in test_tensor_parallel.py: experts summed on two ranks change the last bit, which
+    int8's activation codes would turn into more."""
+    from tests.test_tensor_parallel import _same
+
+    path = quantized(files[case][1], tmp_path / "q8_0.gguf", gguf.GGMLQuantizationType.Q8_0)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    settings = dict(quant_kernel="float", kv_cache_dtype="float32", block_size=16, kv_cache_memory_bytes=64 << 20)
+    _same(str(path), prompts, **settings)

@@ -138,7 +138,6 @@ def pack_linears(
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear)
     ]
-    _dequantize_the_rest(model, block_weights, {f"{full}.weight" for *_, full in linears})
     blocks: dict[str, BlockWeight] = {}
     for _, _, child, full in linears:
         weight = block_weights.get(f"{full}.weight")
@@ -167,14 +166,16 @@ def pack_linears(
             setattr(parent, name, PackedLinear.from_blocks(weight, child.bias))
 
 
-def _dequantize_the_rest(model: nn.Module, block_weights: dict[str, BlockWeight], linear_weights: set[str]) -> None:
-    """A weight in blocks that no linear takes (a router's plain parameter, a file's odd choice) is
-    dequantized into its parameter rather than left unread."""
-    for name in sorted(set(block_weights) - linear_weights):
-        parts = block_weights.pop(name)
-        param = model.get_parameter(name)
-        dense = torch.cat([p.dequantize() for p in (parts if isinstance(parts, list) else [parts])])
-        param.data.copy_(dense.reshape(param.shape))
+def keep_blocks_for(model: nn.Module, name: str, weight: BlockTensor) -> bool:
+    """Whether parameter `name` takes `weight` as blocks (an nn.Linear's weight, which pack_linears
+    installs, or the embedding's, which pack_model makes a BlockEmbedding); any other (a router's
+    plain parameter, a file's odd choice) is dequantized into it here, at load, not left unread."""
+    module, _, attr = name.rpartition(".")
+    if attr == "weight" and isinstance(model.get_submodule(module), nn.Linear | nn.Embedding):
+        return True
+    param = model.get_parameter(name)
+    param.data.copy_(weight.dequantize().reshape(param.shape))
+    return False
 
 
 def pack_model(
@@ -183,14 +184,14 @@ def pack_model(
     """pack_linears for a whole causal LM whose embedding is `model.<embed_attr>`: a tied lm_head gets
     its own packed copy when float (the embedding stays a plain table for lookups); in GGUF blocks,
     the embedding and the lm_head read the same blocks."""
-    embed = block_weights.get(f"{embed_attr}.weight")
+    embed = block_weights.pop(f"{embed_attr}.weight", None)
     if model.lm_head is None:
         model.lm_head = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False, device="meta")
         model.lm_head.weight = getattr(model, embed_attr).weight
-        if embed is not None:
-            block_weights["lm_head.weight"] = embed
-    if embed is not None:
-        setattr(model, embed_attr, BlockEmbedding(block_weights.pop(f"{embed_attr}.weight")))
+    if embed is not None and model.cfg.tie_word_embeddings:  # a later pipeline stage's head too
+        block_weights.setdefault("lm_head.weight", embed)
+    if embed is not None and isinstance(getattr(model, embed_attr), nn.Embedding):  # not a later stage's input
+        setattr(model, embed_attr, BlockEmbedding(embed))
     pack_linears(model, block_weights, quantization)
     block_weights.clear()
 

@@ -35,6 +35,7 @@ from baton.models.layers import (
     StackedLinear,
     embedding,
     gated_activation,
+    keep_blocks_for,
     pack_model,
     paged_attention,
     unwrapped,
@@ -229,7 +230,8 @@ class LlamaForCausalLM(FusedDecoding, nn.Module):
                     self.block_rows.place(target, torch.arange(start, start + rows[shard]), tensor)
                     return
         if isinstance(tensor, BlockTensor):
-            self.block_weights[name] = tensor
+            if keep_blocks_for(self, name, tensor):
+                self.block_weights[name] = tensor
             return
         self.get_parameter(name).data.copy_(tensor)
 

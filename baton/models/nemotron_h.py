@@ -26,7 +26,7 @@ from baton.models.fused_decode import (
     state_args,
 )
 from baton.models.gguf_blocks import BlockTensor
-from baton.models.layers import RMSNorm, embedding, pack_model, paged_attention, unwrapped
+from baton.models.layers import RMSNorm, embedding, keep_blocks_for, pack_model, paged_attention, unwrapped
 from baton.models.llama import ForwardContext
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import ExpertElsewhere, SigmoidRouter, run_experts
@@ -337,6 +337,7 @@ class NemotronHForCausalLM(FusedDecoding, nn.Module):
     def load_weight(self, hf_name: str, tensor: torch.Tensor | BlockTensor) -> None:
         name = hf_name.removeprefix("backbone.").removeprefix("model.")
         if isinstance(tensor, BlockTensor):
-            self.block_weights[name] = tensor
+            if keep_blocks_for(self, name, tensor):
+                self.block_weights[name] = tensor
         else:
             self.get_parameter(name).data.copy_(tensor)
