@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 		 command -v chromium || apt-get install -y -qq --no-install-recommends chromium || \
 			(apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium) || true) \
 			>/dev/null 2>&1 & system=$$!; \
-		$(PY) tests/warm_caches.py; warmed=$$?; wait $$system; wait $$build && test $$warmed -eq 0
+		$(PY) -m tests.warm_caches; warmed=$$?; wait $$system; wait $$build && test $$warmed -eq 0
 	touch $(STAMP)
 
 install: $(STAMP)
