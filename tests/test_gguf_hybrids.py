@@ -1,5 +1,6 @@
-"""The hybrid GGUF files llama.cpp writes (qwen35, qwen35moe, qwen3next, nemotron_h_moe, and a dense
-Nemotron-H), made from random transformers checkpoints by llama.cpp's own converter: served by baton
+"""The hybrid GGUF files llama.cpp writes (qwen35, qwen35moe, qwen3next, nemotron_h_moe, a dense
+Nemotron-H, granitehybrid with experts and dense), made from random transformers checkpoints by
+llama.cpp's own converter: served by baton
 with transformers' greedy tokens on the source checkpoint (and so is the checkpoint's directory);
 quantized files' blocks placed as their float values are; bad files refused at load, naming the file
 and the problem."""
@@ -20,6 +21,7 @@ from baton.models.gguf_blocks import BlockTensor
 from baton.models.loader import WeightMismatchError, load_model
 from baton.models.weight_map import BlockRows
 from tests.gguf_files import VOCAB, convert, quantized, rewrite
+from tests.test_granite_hybrid import TINY as GRANITE
 from tests.test_random_models import make_model
 
 QWEN = dict(  # 2 key heads, 4 value heads: qwen35 files hold them tiled
@@ -81,16 +83,35 @@ CASES = {  # name: (architecture, config, the GGUF architecture the converter wr
         {**NEMOTRON, "hybrid_override_pattern": "M*M-M-"},
         "nemotron_h_moe",
     ),
+    "granitehybrid-moe": ("GraniteMoeHybridForCausalLM", {**GRANITE, "vocab_size": VOCAB}, "granitehybrid"),
+    "granitehybrid-dense-tied": (
+        "GraniteMoeHybridForCausalLM",
+        {
+            **GRANITE,
+            "vocab_size": VOCAB,
+            "num_local_experts": 0,
+            "tie_word_embeddings": True,
+            "layer_types": ["attention", "mamba", "mamba", "attention", "mamba"],
+            "num_key_value_heads": 4,
+            "mamba_n_groups": 1,
+        },
+        "granitehybrid",
+    ),
 }
 PROMPTS = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40, 77)]
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    """case -> (transformers reference, F32 GGUF path, HF directory), converted once for the module."""
-    made = {}
-    for case, (arch, config, _) in CASES.items():
-        ref, hf_dir = make_model(tmp_path_factory.mktemp(case), arch, **config)
+class _Files(dict):
+    """case -> (transformers reference, F32 GGUF path, HF directory), each converted when first asked
+    for (a case only the slow tests use costs the default suite nothing)."""
+
+    def __init__(self, root) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, case: str):
+        arch, config, _ = CASES[case]
+        ref, hf_dir = make_model(self.root.mktemp(case), arch, **config)
         source = hf_dir
         if arch == "Qwen3_5MoeForCausalLM":
             # the converter reads the tokenizer through AutoTokenizer, which gives qwen3_5_moe_text
@@ -98,11 +119,27 @@ def files(tmp_path_factory):
             source = shutil.copytree(hf_dir, hf_dir.parent / f"{case}-for-converter")
             cfg = json.loads((source / "config.json").read_text())
             (source / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_5_text"}))
-        made[case] = ref, convert(source, hf_dir.parent / f"{case}.gguf", "--no-mtp"), hf_dir
-    return made
+        if arch == "GraniteMoeHybridForCausalLM":
+            # the converter knows IBM's layer type names (mamba / attention), not transformers 5's
+            source = shutil.copytree(hf_dir, hf_dir.parent / f"{case}-for-converter")
+            cfg = json.loads((source / "config.json").read_text())
+            ibm = {"linear_attention": "mamba", "full_attention": "attention"}
+            cfg["layer_types"] = [ibm[t] for t in cfg["layer_types"]]
+            (source / "config.json").write_text(json.dumps(cfg))
+        no_mtp = ("--no-mtp",) if arch.startswith("Qwen3") else ()  # others refuse the flag
+        self[case] = ref, convert(source, hf_dir.parent / f"{case}.gguf", *no_mtp), hf_dir
+        return self[case]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return _Files(tmp_path_factory)
+
+
+SLOW_CASES = ("granitehybrid-dense-tied",)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_llama_cpp_files_give_transformers_tokens(files, case):
     ref, path, hf_dir = files[case]
     assert gguf.GGUFReader(str(path)).fields["general.architecture"].contents() == CASES[case][2]
@@ -127,7 +164,9 @@ def test_llama_cpp_files_give_transformers_tokens(files, case):
     assert again[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("case", ["qwen35-odd-pattern", "nemotron_h-moe"])
+@pytest.mark.parametrize(
+    "case", ["qwen35-odd-pattern", "nemotron_h-moe", pytest.param("granitehybrid-moe", marks=pytest.mark.slow)]
+)
 def test_q8_0_blocks_sit_where_their_float_values_do(files, tmp_path, case):
     """The converter's transforms undone on blocks (rows regathered, tiled value heads, stacked
     experts) give what the same file gives dequantized at load: the float kernel reads blocks with

@@ -1,12 +1,14 @@
-"""Every proposer on the random hybrids (Qwen3-Next: Gated DeltaNet + attention + MoE; GLM-4-MoE
-with its MTP layer): greedy output with speculation is the output without it, batched, in
-chunks, on prefix hits, under preemption and after a PD import; nothing leaks."""
+"""Every proposer on the random hybrids (Qwen3-Next: Gated DeltaNet + attention + MoE; Granite-4.0-H:
+Mamba2 + attention + MoE; GLM-4-MoE with its MTP layer): greedy output with speculation is the
+output without it, batched, in chunks, on prefix hits, under preemption and after a PD import;
+nothing leaks."""
 
 from __future__ import annotations
 
 import pytest
 
 from baton import LLM, SamplingParams
+from tests.test_granite_hybrid import granite  # noqa: F401 - the fixture
 from tests.test_handoff import prefill_span, run_imported
 from tests.test_mtp import GLM, glm  # noqa: F401 - the fixture
 from tests.test_random_models import make_model
@@ -30,6 +32,7 @@ def llama_draft(tmp_path_factory):
 CASES = [  # the default suite runs one per model; `-m slow` all of them
     ("qwen3_next", "ngram"),
     pytest.param("qwen3_next", "draft_model", marks=pytest.mark.slow),
+    pytest.param("granite", "ngram", marks=pytest.mark.slow),  # Mamba2 state rolled back per draft
     pytest.param("glm", "ngram", marks=pytest.mark.slow),
     pytest.param("glm", "draft_model", marks=pytest.mark.slow),
     ("glm", "mtp"),

@@ -202,13 +202,15 @@ def test_pd_between_tp1_and_tp2_gives_the_lone_workers_tokens(fmt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["kimi-linear", "nemotron-h"])
+@pytest.mark.parametrize("family", ["kimi-linear", "nemotron-h", "granite-4.0-h"])
 def test_random_kimi_and_nemotron_split_by_head(tmp_path, family):
-    """Kimi Linear (KDA by heads, MLA by heads over a replicated latent, grouped MoE) and
-    Nemotron-H (Mamba2 by head groups, NoPE attention, relu2 MLP and MoE) at TP=2 and PP=2."""
-    from tests import test_kimi_linear, test_nemotron_h
+    """Kimi Linear (KDA by heads, MLA by heads over a replicated latent, grouped MoE),
+    Nemotron-H (Mamba2 by head groups, NoPE attention, relu2 MLP and MoE) and Granite-4.0-H
+    (Mamba2, fused-qkv attention, softmax MoE with a shared expert, scaled blocks) at TP=2 and PP=2."""
+    from tests import test_granite_hybrid, test_kimi_linear, test_nemotron_h
 
-    _, path = (test_kimi_linear if family == "kimi-linear" else test_nemotron_h).build(tmp_path)
+    module = {"kimi-linear": test_kimi_linear, "nemotron-h": test_nemotron_h}.get(family, test_granite_hybrid)
+    _, path = module.build(tmp_path)
     ids = [
         {"prompt_token_ids": torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
         for n in (9, 70, 150)

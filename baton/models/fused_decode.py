@@ -40,6 +40,7 @@ class DecodeBlock:
     step: object  # an ops().LayerStep
     post_norm: RMSNorm | None = None
     hc: object | None = None  # an ops().HyperWeights: the block's hyper-connection (GLM-5.3-Flash)
+    scale: float = 1.0  # the block's output times this before the residual add (Granite's residual_multiplier)
 
 
 def norm_weights(norm: RMSNorm | None):
@@ -125,12 +126,17 @@ def mixer_mlp_blocks(
     mlp,
     post_mixer_norm: RMSNorm | None = None,
     post_mlp_norm: RMSNorm | None = None,
+    scale: float = 1.0,
 ) -> list[DecodeBlock] | None:
     """A pre-norm layer's two blocks (its mixer's step, then its MLP's), or None where either step
-    cannot run in the fused decoder. Sandwich norms (Gemma) add a norm after each."""
+    cannot run in the fused decoder. Sandwich norms (Gemma) add a norm after each; `scale`
+    multiplies each block's output (Granite)."""
     if mixer is None or mlp is None:
         return None
-    return [DecodeBlock(mixer_norm, mixer, post_mixer_norm), DecodeBlock(mlp_norm, mlp, post_mlp_norm)]
+    return [
+        DecodeBlock(mixer_norm, mixer, post_mixer_norm, scale=scale),
+        DecodeBlock(mlp_norm, mlp, post_mlp_norm, scale=scale),
+    ]
 
 
 def gated_mlp_step(
@@ -168,7 +174,7 @@ class FusedDecoder:
             self._decoder.set_all_reduce(tp.all_reduce)
         for b in blocks:
             hc = ops().HyperWeights() if b.hc is None else b.hc
-            self._decoder.add_block(norm_weights(b.pre_norm), b.step, norm_weights(b.post_norm), hc)
+            self._decoder.add_block(norm_weights(b.pre_norm), b.step, norm_weights(b.post_norm), hc, b.scale)
         self.steps = 0
 
     @classmethod

@@ -82,7 +82,10 @@ class Attention(nn.Module):
         self.kind = cfg.layer_kinds[layer_id].name
         self.scale = cfg.attn_scale
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """rope: the rows' cos and signed sin; None: no positional encoding (Granite-4.0-H)."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size, _ = self.sizes
@@ -91,7 +94,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             self.q_norm.heads_(qk[:, : self.num_heads])
             self.k_norm.heads_(qk[:, self.num_heads :])
-        qk = apply_rotary(qk, *rope)  # q and k heads in one pass
+        qk = qk.contiguous() if rope is None else apply_rotary(qk, *rope)  # q and k heads in one pass
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         cache, meta = ctx.for_layer(self.layer_id)
         out = paged_attention(q, k, v, cache, meta, self.scale)

@@ -294,7 +294,11 @@ def load_model(
     # a multimodal checkpoint served as text: its vision tower's (and unused MTP layers') weights are not read
     skipped = getattr(net, "skipped_weights", ())
     header = {name: v for name, v in source.header().items() if not (skipped and name.startswith(skipped))}
-    check_weights(net.hf_weight_shapes(), header, cfg.tie_word_embeddings, str(path))
+    # a family whose checkpoints hold tensors llama.cpp's files split (Granite's stacked experts)
+    # names what it reads from a GGUF file apart
+    gguf = isinstance(source, (GGUFFile, GGUFCache)) and hasattr(net, "gguf_weight_shapes")
+    expected = net.gguf_weight_shapes() if gguf else net.hf_weight_shapes()
+    check_weights(expected, header, cfg.tie_word_embeddings, str(path))
     converted = sorted(
         {
             _SAFETENSORS_DTYPES.get(kind, kind)
@@ -305,7 +309,6 @@ def load_model(
     )
     if converted:
         logger.warning("converting %s weights of %s to %s", "/".join(converted), path.name, dtype)
-    expected = net.hf_weight_shapes()
     if isinstance(source, GGUFFile):
         tensors = source.tensors(keep_blocks)
     else:  # a directory's tensors the model does not take (a vision tower's) are not read

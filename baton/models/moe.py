@@ -44,19 +44,39 @@ class SparseMoE(nn.Module):
     the shared expert's output is scaled by sigmoid(shared_expert_gate(x)) when `shared_gate`.
     A token's sum over its experts runs in expert order, whatever else is in the batch."""
 
-    def __init__(self, cfg: TextModelConfig, shared_gate: bool) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        shared_intermediate_size: int = 0,
+        norm_topk_prob: bool = True,
+        shared_gate: bool = False,
+    ) -> None:
         super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the {num_experts} experts")
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = nn.ModuleList([MLP(hidden_size, intermediate_size) for _ in range(num_experts)])
+        shared = shared_intermediate_size
+        self.shared_expert = MLP(hidden_size, shared) if shared else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared and shared_gate else None
+
+    @classmethod
+    def from_config(cls, cfg: TextModelConfig, shared_gate: bool) -> SparseMoE:
+        """Qwen's config keys."""
         hf = cfg.hf
-        self.num_experts = int(hf["num_experts"])
-        self.top_k = int(hf["num_experts_per_tok"])
-        self.norm_topk_prob = bool(hf.get("norm_topk_prob", True))
-        self.gate = nn.Linear(cfg.hidden_size, self.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            [MLP(cfg.hidden_size, int(hf["moe_intermediate_size"])) for _ in range(self.num_experts)]
+        return cls(
+            cfg.hidden_size,
+            int(hf["num_experts"]),
+            int(hf["num_experts_per_tok"]),
+            int(hf["moe_intermediate_size"]),
+            int(hf.get("shared_expert_intermediate_size") or 0),
+            bool(hf.get("norm_topk_prob", True)),
+            shared_gate,
         )
-        shared = int(hf.get("shared_expert_intermediate_size") or 0)
-        self.shared_expert = MLP(cfg.hidden_size, shared) if shared else None
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared and shared_gate else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids), both [T, top_k]."""

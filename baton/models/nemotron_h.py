@@ -1,10 +1,7 @@
 """NemotronH (Nemotron-H, Nemotron-Nano-v2, Nemotron-3): a hybrid of Mamba2 layers (causal conv +
 selective SSM, a constant-size state per request), plain causal GQA attention layers without any
-positional encoding, squared-ReLU MLP layers and sigmoid-routed MoE layers; one mixer per layer.
-
-Mamba2 runs on the shared recurrent scan: with the state h [heads, P, N] kept transposed as
-[heads, N, P], h = exp(dt A) h + dt x (x) B and y = C h map onto S = S exp(decay); S += k (x) v;
-out = q S with k = B, v = dt x, q = C, decay = dt A."""
+positional encoding, squared-ReLU MLP layers and sigmoid-routed MoE layers; one mixer per layer
+(the Mamba2 mixer: baton/models/mamba2.py)."""
 
 from __future__ import annotations
 
@@ -23,14 +20,13 @@ from baton.models.fused_decode import (
     linear_args,
     packed_only,
     plain_float32,
-    state_args,
 )
 from baton.models.gguf_blocks import BlockTensor
 from baton.models.layers import RMSNorm, embedding, keep_blocks_for, pack_model, paged_attention, unwrapped
 from baton.models.llama import ForwardContext
+from baton.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import ExpertElsewhere, SigmoidRouter, run_experts
-from baton.models.recurrent import conv_over_segments, scan_over_segments, segments
 from baton.ops import ops
 
 # layer type names: transformers 5 (and the pattern string's letters), then transformers 4's
@@ -57,21 +53,27 @@ def layer_types(hf: dict[str, Any]) -> list[str]:
         raise ValueError(f"unsupported NemotronH layer type {e.args[0]!r}") from None
 
 
-def mamba_dims(hf: dict[str, Any]) -> tuple[int, int, int, int, int]:
-    """(heads, head_dim P, groups G, state size N, conv kernel K)."""
-    return (
-        int(hf["mamba_num_heads"]),
-        int(hf["mamba_head_dim"]),
-        int(hf.get("n_groups", hf.get("mamba_n_groups", 1))),
-        int(hf["ssm_state_size"]),
-        int(hf.get("conv_kernel", hf.get("mamba_d_conv", 4))),
+def mamba_dims(hf: dict[str, Any]) -> Mamba2Dims:
+    return Mamba2Dims(
+        heads=int(hf["mamba_num_heads"]),
+        head_dim=int(hf["mamba_head_dim"]),
+        groups=int(hf.get("n_groups", hf.get("mamba_n_groups", 1))),
+        state_size=int(hf["ssm_state_size"]),
+        conv_kernel=int(hf.get("conv_kernel", hf.get("mamba_d_conv", 4))),
+        bias=bool(hf.get("use_bias", False)),
+        conv_bias=bool(hf.get("use_conv_bias", hf.get("mamba_conv_bias", True))),
+        dt_min=float(hf.get("time_step_min", hf.get("mamba_dt_min", 0.0))),
+        eps=float(hf.get("layer_norm_epsilon", hf.get("rms_norm_eps", 1e-6))),  # parse_hf_config's default
     )
 
 
 def layer_kinds(hf: dict[str, Any]) -> list[LayerKind]:
-    nh, p, g, n, k = mamba_dims(hf)
-    mamba = LayerKind.recurrent((nh * p + 2 * g * n, k - 1), (nh, n, p))
-    kinds = {"mamba": mamba, "attention": LayerKind.full(), "mlp": LayerKind.none(), "moe": LayerKind.none()}
+    kinds = {
+        "mamba": mamba_dims(hf).layer_kind(),
+        "attention": LayerKind.full(),
+        "mlp": LayerKind.none(),
+        "moe": LayerKind.none(),
+    }
     types = layer_types(hf)
     if not types:
         raise ValueError("a NemotronH config needs layers_block_type or hybrid_override_pattern")
@@ -80,77 +82,6 @@ def layer_kinds(hf: dict[str, Any]) -> list[LayerKind]:
 
 def _eps(cfg: TextModelConfig) -> float:
     return float(cfg.hf.get("layer_norm_epsilon", cfg.rms_norm_eps))
-
-
-class Mamba2Mixer(nn.Module):
-    def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
-        super().__init__()
-        hf = cfg.hf
-        self.layer_id = layer_id
-        self.nh, self.p, self.g, self.n, k = mamba_dims(hf)
-        self.inner = self.nh * self.p
-        self.conv_dim = self.inner + 2 * self.g * self.n
-        bias = bool(hf.get("use_bias", False))
-        self.in_proj = nn.Linear(cfg.hidden_size, self.inner + self.conv_dim + self.nh, bias=bias)
-        conv_bias = bool(hf.get("use_conv_bias", hf.get("mamba_conv_bias", True)))
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, k, groups=self.conv_dim, bias=conv_bias)
-        self.dt_bias = nn.Parameter(torch.ones(self.nh))
-        self.A_log = nn.Parameter(torch.zeros(self.nh))
-        self.D = nn.Parameter(torch.ones(self.nh))
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(self.inner))
-        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=bias)
-        # HF's full-sequence (chunked) path clamps dt from below; we clamp at every position, decode too
-        self.dt_min = float(hf.get("time_step_min", hf.get("mamba_dt_min", 0.0)))
-        self.eps = _eps(cfg)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        t, nh, p, g, n = x.shape[0], self.nh, self.p, self.g, self.n
-        z, xbc, dt = torch.split(self.in_proj(x), [self.inner, self.conv_dim, nh], dim=1)
-        (conv_state, ssm_state), (conv_ckpt, ssm_ckpt) = ctx.states.layer(self.layer_id)
-        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
-        segs = list(segments(ctx.state_meta))
-        conv_out = conv_over_segments(xbc, segs, conv_state, conv_ckpt, weight, bias)
-        xs, b, c = torch.split(F.silu(conv_out).float(), [self.inner, g * n, g * n], dim=1)
-        xs = xs.view(t, nh, p)
-        b = b.view(t, g, n).repeat_interleave(nh // g, dim=1)  # head h reads group h // (nh / g)
-        c = c.view(t, g, n).repeat_interleave(nh // g, dim=1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)  # [T, nh]
-        decay = dt * -self.A_log.float().exp()
-        v = xs * dt[..., None]
-        y = scan_over_segments(c, b, v, decay, None, segs, ssm_state, ssm_ckpt)
-        y = (y + self.D.float()[:, None] * xs).reshape(t, self.inner) * F.silu(z.float())
-        y = y.view(t, g, -1)  # gated RMSNorm per group, gate first, in float32
-        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(t, -1)
-        return self.out_proj((self.norm.weight.float() * y).to(x.dtype))
-
-    def decode_step(self, binding: StepBinding):
-        """This mixer as a fused decoder's step (baton/ops/mamba_layer.cpp); None without
-        recurrent state or with a projection off the packed kernels."""
-        out_proj = unwrapped(self.out_proj)
-        if binding.states is None or not packed_only(self, out_proj):
-            return None
-        conv_bias = self.conv1d.bias
-        return ops().MambaStep(
-            heads=self.nh,
-            head_dim=self.p,
-            groups=self.g,
-            state_size=self.n,
-            conv_kernel=self.conv1d.weight.shape[-1],
-            hidden=out_proj.out_features,
-            **linear_args("in_proj", self.in_proj),
-            **linear_args("out_proj", out_proj),
-            conv_weight=self.conv1d.weight[:, 0].float().contiguous(),
-            conv_bias=None if conv_bias is None else conv_bias.float().contiguous(),
-            # forward's -A_log.float().exp(): the same op on the same [nh], once
-            neg_exp_a=(-self.A_log.float().exp()).contiguous(),
-            dt_bias=self.dt_bias.float().contiguous(),
-            d=self.D.float().contiguous(),
-            norm_weight=self.norm.weight.float().contiguous(),
-            dt_min=self.dt_min,
-            norm_eps=self.eps,
-            **state_args(binding, self.layer_id),
-        )
 
 
 class NoPEAttention(nn.Module):
@@ -271,7 +202,7 @@ class NemotronHBlock(nn.Module):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, _eps(cfg))
         if kind == "mamba":
-            self.mixer: nn.Module = Mamba2Mixer(cfg, layer_id)
+            self.mixer: nn.Module = Mamba2Mixer(cfg.hidden_size, layer_id, mamba_dims(cfg.hf))
         elif kind == "attention":
             self.mixer = NoPEAttention(cfg, layer_id)
         elif kind == "mlp":

@@ -189,7 +189,7 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.self_attn = GatedAttention(cfg, layer_id)
         sparse = int(hf.get("num_experts", 0)) > 0 and (layer_id + 1) % int(hf.get("decoder_sparse_step", 1)) == 0
         if sparse and layer_id not in (hf.get("mlp_only_layers") or []):
-            self.mlp = SparseMoE(cfg, shared_gate=True)
+            self.mlp = SparseMoE.from_config(cfg, shared_gate=True)
         else:
             self.mlp = dense_mlp(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, 1.0)

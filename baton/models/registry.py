@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from baton.models import gemma3, llama, nemotron_h_gguf, qwen3_next_gguf
+from baton.models import gemma3, granite_hybrid_gguf, llama, nemotron_h_gguf, qwen3_next_gguf
 from baton.models.dsa import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from baton.models.gemma3 import Gemma3ForCausalLM
 from baton.models.gguf_arch import GGUFArch
 from baton.models.glm4_moe import Glm4MoeForCausalLM
 from baton.models.glm5_flash import Glm5FlashForCausalLM
+from baton.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from baton.models.kimi_linear import KimiLinearForCausalLM
 from baton.models.llama import LlamaForCausalLM
 from baton.models.nemotron_h import NemotronHForCausalLM
@@ -28,6 +29,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
@@ -49,5 +51,6 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     **gemma3.GGUF_ARCHS,
     **qwen3_next_gguf.GGUF_ARCHS,
     **nemotron_h_gguf.GGUF_ARCHS,
+    **granite_hybrid_gguf.GGUF_ARCHS,
 }
 """llama.cpp's architecture names (a GGUF file's general.architecture), each as its family declares it."""

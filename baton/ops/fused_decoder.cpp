@@ -9,6 +9,7 @@
 #include <torch/csrc/utils/pybind.h>  // Tensor <-> Python for the bindings below
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 namespace {
@@ -36,8 +37,10 @@ FusedDecoder::FusedDecoder(int64_t hidden, NormWeights final_norm, int64_t strea
 }
 
 void FusedDecoder::add_block(NormWeights pre_norm, std::shared_ptr<LayerStep> step, NormWeights post_norm,
-                             HyperWeights hc) {
+                             HyperWeights hc, double scale) {
   TORCH_CHECK(step != nullptr, "a block needs a layer step");
+  TORCH_CHECK(std::isfinite(scale), "a block's scale must be finite, got ", scale);
+  TORCH_CHECK(scale == 1.0 || !hc.fn.defined(), "a block with a hyper-connection takes no scale");
   TORCH_CHECK(pre_norm.weight.defined(), "a block needs its pre-norm");
   check_norm(pre_norm, hidden_, "pre_norm");
   check_norm(post_norm, hidden_, "post_norm");
@@ -75,7 +78,7 @@ void FusedDecoder::add_block(NormWeights pre_norm, std::shared_ptr<LayerStep> st
     state_slots_ = state_slots_ == 0 ? needs.state_slots : std::min(state_slots_, needs.state_slots);
     checkpoints_ = checkpoints_ == 0 ? needs.checkpoints : std::min(checkpoints_, needs.checkpoints);
   }
-  blocks_.push_back({std::move(pre_norm), std::move(step), std::move(post_norm), std::move(hc)});
+  blocks_.push_back({std::move(pre_norm), std::move(step), std::move(post_norm), std::move(hc), scale});
 }
 
 torch::Tensor FusedDecoder::forward(const torch::Tensor& x_in, const std::vector<torch::Tensor>& cos,
@@ -116,6 +119,7 @@ torch::Tensor FusedDecoder::forward(const torch::Tensor& x_in, const std::vector
       pending = norm(pending, c10::nullopt, b.post_norm);
       watch.lap(StepPart::kNorms);
     }
+    if (b.scale != 1.0) pending = pending * b.scale;  // the module path's `out * scale`: the same kernel
   }
   if (!final_norm_.weight.defined()) {  // a pipeline stage before the last: it hands on the residual stream
     if (!blocks_.empty()) residual.add_(pending);
@@ -218,7 +222,7 @@ void bind_fused_decoder(pybind11::module_& m) {
       .def(py::init<int64_t, NormWeights, int64_t>(), py::arg("hidden"), py::arg("final_norm"),
            py::arg("streams") = 0)
       .def("add_block", &FusedDecoder::add_block, py::arg("pre_norm"), py::arg("step"), py::arg("post_norm"),
-           py::arg("hc") = HyperWeights{}, release())
+           py::arg("hc") = HyperWeights{}, py::arg("scale") = 1.0, release())
       .def("forward", &FusedDecoder::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
            py::arg("block_ids"), py::arg("kv_offsets"), py::arg("kv_lens"), py::arg("block_size"),
            py::arg("state_slots") = std::vector<int64_t>{}, py::arg("snapshot_rows") = std::vector<int64_t>{},

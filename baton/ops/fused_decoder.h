@@ -6,7 +6,7 @@
 // its order, so a row's bits are the module path's.
 //
 // Block b of a step: h = pre_norm(residual += pending) (the first block: pre_norm(residual)),
-// pending = post_norm(all_reduce(step(h))); after the last block the final norm of residual +=
+// pending = scale * post_norm(all_reduce(step(h))) (scale: Granite's residual multiplier, else 1); after the last block the final norm of residual +=
 // pending, or (a pipeline stage before the last) the stream itself. With hyper-connections
 // (GLM-5.3-Flash) the residual is `streams` copies [rows, streams, hidden] that each block's
 // HyperWeights collapse into its input and mix with its output; the final norm reads their mean.
@@ -103,7 +103,8 @@ class FusedDecoder {
   // streams > 0: hyper-connections over that many streams, every block with its HyperWeights
   FusedDecoder(int64_t hidden, NormWeights final_norm, int64_t streams = 0);
 
-  void add_block(NormWeights pre_norm, std::shared_ptr<LayerStep> step, NormWeights post_norm, HyperWeights hc);
+  void add_block(NormWeights pre_norm, std::shared_ptr<LayerStep> step, NormWeights post_norm, HyperWeights hc,
+                 double scale = 1.0);
   // x: the embedded tokens [rows, hidden] (a later pipeline stage's: the streams [rows, streams *
   // hidden]), one decode token per row; the rest as StepBatch says. Returns the final-normed
   // hidden (or the stream, flat).
@@ -126,6 +127,7 @@ class FusedDecoder {
     std::shared_ptr<LayerStep> step;
     NormWeights post_norm;
     HyperWeights hc;
+    double scale = 1.0;
   };
   void check_step(const torch::Tensor& x, const StepBatch& step) const;
   // the blocks over the hyper-connection streams (streams_ > 0)

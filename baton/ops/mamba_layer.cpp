@@ -26,7 +26,7 @@ struct MambaWeights {
   torch::Tensor neg_exp_a;    // [nh]: -exp(A_log)
   torch::Tensor dt_bias, d;   // [nh]
   torch::Tensor norm_weight;  // [inner]
-  double dt_min = 0.0, eps = 1e-5;
+  double dt_min = 0.0, dt_max = INFINITY, eps = 1e-5;
 };
 
 // The SSM step of each row over its slot's state in ssm_state [slots, nh, n, p], then + D x, the
@@ -38,7 +38,7 @@ torch::Tensor mamba_ssm_(const MambaShape& s, const MambaWeights& w, const torch
   const auto opts = zxbcdt.options();
   const float* zp = zxbcdt.data_ptr<float>();
   const float* cp = conv.data_ptr<float>();
-  // dt = softplus(dt + dt_bias).clamp(min=dt_min); decay = dt * -exp(A_log); v = x * dt
+  // dt = softplus(dt + dt_bias).clamp(dt_min, dt_max); decay = dt * -exp(A_log); v = x * dt
   torch::Tensor dt = torch::empty({rows, nh}, opts), decay = torch::empty({rows, nh}, opts),
                 v = torch::empty({rows, nh, p}, opts);
   float* dtp = dt.data_ptr<float>();
@@ -49,9 +49,10 @@ torch::Tensor mamba_ssm_(const MambaShape& s, const MambaWeights& w, const torch
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t h = 0; h < nh; ++h) dtp[t * nh + h] = zp[t * width + inner + channels + h] + dtb[h];
   torch_unary(dtp, dtp, rows, nh, true, Softplus());
-  const float dt_min = static_cast<float>(w.dt_min);
+  const float dt_min = static_cast<float>(w.dt_min), dt_max = static_cast<float>(w.dt_max);
   for (int64_t i = 0; i < rows * nh; ++i) {
     if (dtp[i] < dt_min) dtp[i] = dt_min;
+    if (dtp[i] > dt_max) dtp[i] = dt_max;
     dp[i] = dtp[i] * nea[i % nh];
   }
   for (int64_t t = 0; t < rows; ++t)
@@ -114,6 +115,8 @@ class MambaStep : public RecurrentStep {
     w_.d = a.vector("d", s_.nh);
     w_.norm_weight = a.vector("norm_weight", s_.inner());
     w_.dt_min = a.real("dt_min");
+    w_.dt_max = a.real("dt_max");
+    TORCH_CHECK(w_.dt_min <= w_.dt_max, "dt_min (", w_.dt_min, ") must not exceed dt_max (", w_.dt_max, ")");
     w_.eps = a.real("norm_eps");
   }
 

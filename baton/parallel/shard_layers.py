@@ -13,10 +13,11 @@ from torch import nn
 from baton.models.glm5_flash import HyperConnection
 from baton.models.kimi_linear import KimiDeltaAttention
 from baton.models.llama import Attention, GatedMLP
+from baton.models.mamba2 import Mamba2Mixer
 from baton.models.mla import MLAttention
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import MLP, ExpertElsewhere, GroupedSigmoidMoE, SparseMoE
-from baton.models.nemotron_h import Mamba2Mixer, NemotronHMoE, NoPEAttention, Relu2MLP
+from baton.models.nemotron_h import NemotronHMoE, NoPEAttention, Relu2MLP
 from baton.models.qwen3_next import GatedAttention, GatedDeltaNet
 from baton.parallel.shard import RowParallel, Sharder, even_split, head_split
 
@@ -173,7 +174,9 @@ def _mamba2(mixer: Mamba2Mixer, local: dict, sharder: Sharder) -> None:
     mixer.nh, mixer.g = len(heads), len(groups)
     mixer.inner = len(heads) * p
     mixer.conv_dim = mixer.inner + 2 * len(groups) * n
-    local.setdefault("hf", {}).update(mamba_num_heads=len(heads), n_groups=len(groups), mamba_n_groups=len(groups))
+    local.setdefault("hf", {}).update(
+        mamba_num_heads=len(heads), mamba_n_heads=len(heads), n_groups=len(groups), mamba_n_groups=len(groups)
+    )
     local.setdefault("state_channels", {})[mixer.layer_id] = [conv, torch.arange(heads.start, heads.stop)]
 
 

@@ -1,0 +1,122 @@
+"""Granite-4.0-H's GGUF files (llama.cpp's granitehybrid), read as a GraniteMoeHybrid checkpoint
+under the names baton reads from GGUF (GraniteMoeHybridForCausalLM.gguf_weight_shapes: experts
+one by one, gate and up apart)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from baton.models.gguf_arch import (
+    ATTENTION_NAMES,
+    MLP_NAMES,
+    GGUFArch,
+    GGUFMetadata,
+    Value,
+    base_config,
+    experts,
+    float_op,
+    reshaped,
+    take_rows,
+    uniform,
+)
+
+
+def _gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
+    """A layer is Mamba2 exactly where its attention.head_count_kv is 0 (llama.cpp's rule), checked
+    against the tensors its block holds; the multipliers from their *_scale keys (absent: none,
+    and the attention scale llama.cpp's 1/sqrt(head_dim)); rotary where rope.scaling.finetuned."""
+    cfg = base_config(meta, "GraniteMoeHybridForCausalLM")
+    n = cfg["num_hidden_layers"]
+    kv = meta.per_layer("attention.head_count_kv", meta.integer("block_count"))[:n]
+    types = []
+    for i in range(n):
+        mamba, attention = meta.block_has(i, "ssm_in.weight"), meta.block_has(i, "attn_q.weight")
+        if mamba == attention or attention != bool(kv[i]):
+            raise ValueError(
+                f"{meta.where}: block {i} holds {'both mixers' if mamba and attention else 'no mixer'} or its "
+                f"tensors disagree with attention.head_count_kv ({kv[i]})"
+            )
+        types.append("attention" if attention else "mamba")
+    cfg["layer_types"] = types
+    uniform(meta, "attention.head_count_kv", n, "num_key_value_heads", cfg)
+    heads, inner = meta.integer("ssm.time_step_rank"), meta.integer("ssm.inner_size")
+    if heads < 1 or inner % heads:
+        raise ValueError(f"{meta.where}: ssm.inner_size ({inner}) is not a multiple of ssm.time_step_rank ({heads})")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    cfg.update(
+        mamba_n_heads=heads,
+        mamba_d_head=inner // heads,
+        mamba_n_groups=meta.integer("ssm.group_count"),
+        mamba_d_state=meta.integer("ssm.state_size"),
+        mamba_d_conv=meta.integer("ssm.conv_kernel"),
+        mamba_conv_bias=any(meta.block_has(i, "ssm_conv1d.bias") for i in range(n)),
+        embedding_multiplier=meta.real("embedding_scale", 1.0) or 1.0,
+        residual_multiplier=meta.real("residual_scale", 1.0) or 1.0,
+        logits_scaling=meta.real("logit_scale", 1.0) or 1.0,
+        attention_multiplier=meta.real("attention.scale", 0.0) or head_dim**-0.5,
+        position_embedding_type="rope" if meta.get("rope.scaling.finetuned", True) else None,
+    )
+    if meta.integer("expert_count", 0):
+        cfg.update(
+            num_local_experts=meta.integer("expert_count"),
+            num_experts_per_tok=meta.integer("expert_used_count"),
+            intermediate_size=meta.shapes["blk.0.ffn_down_exps.weight"][-1],
+            shared_intermediate_size=meta.integer("expert_shared_feed_forward_length", 0),
+        )
+    else:
+        dense = meta.shapes.get("blk.0.ffn_up.weight")
+        if dense is None:
+            raise ValueError(f"{meta.where}: block 0 holds neither experts nor an ffn_up.weight")
+        cfg.update(num_local_experts=0, intermediate_size=dense[0], shared_intermediate_size=dense[0])
+    return cfg
+
+
+def _gguf_transform(hf_name: str, value: Value, meta: GGUFMetadata):
+    """The converter's changes undone: q and k rows back from llama.cpp's interleaved-rope order
+    (it permutes them whether or not the model uses rotary), ssm_a as -exp(A_log), A and D as
+    vectors, the gated norm flat, the conv kernel [C, 1, K], experts one by one."""
+    if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = meta.integer("attention.head_count")
+        if "k_proj" in hf_name:
+            kv = meta.per_layer("attention.head_count_kv", meta.integer("block_count"))
+            heads = int(kv[int(hf_name.split(".")[2])])
+        rows = value.shape[0]
+        half = rows // heads // 2
+        value = take_rows(value, torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows))
+    elif hf_name.endswith(".mamba.A_log"):
+        value = float_op(value, lambda t: torch.log(-t).reshape(-1))
+    elif hf_name.endswith((".mamba.D", ".mamba.norm.weight")):
+        value = reshaped(value, -1)
+    elif hf_name.endswith(".mamba.conv1d.weight"):
+        value = reshaped(value, value.shape[0], 1, -1)
+    elif ".experts." in hf_name:
+        for e, expert in enumerate(experts(value, meta.integer("expert_count"))):
+            yield hf_name.replace(".experts.", f".experts.{e}."), expert
+        return
+    yield hf_name, value
+
+
+_GGUF_NAMES = {
+    **ATTENTION_NAMES,
+    **MLP_NAMES,
+    "ssm_in.weight": "mamba.in_proj.weight",
+    "ssm_conv1d.weight": "mamba.conv1d.weight",
+    "ssm_conv1d.bias": "mamba.conv1d.bias",
+    "ssm_dt.bias": "mamba.dt_bias",
+    "ssm_a": "mamba.A_log",
+    "ssm_d": "mamba.D",
+    "ssm_norm.weight": "mamba.norm.weight",
+    "ssm_out.weight": "mamba.out_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
+GGUF_ARCHS = {
+    "granitehybrid": GGUFArch("GraniteMoeHybridForCausalLM", _gguf_config, _GGUF_NAMES, transform=_gguf_transform)
+}
