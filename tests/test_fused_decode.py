@@ -1,6 +1,6 @@
 """The hybrid, MoE and sparse-attention families' decode-only steps as one C++ call (baton/models/fused_decode.py
 over each layer's declared steps): the bits of the module-by-module path, prefix-cache hits, and
-state checkpoints (Gated DeltaNet, KDA, Mamba2) taken during decode. (The Llama family's are in
+state checkpoints (Gated DeltaNet, KDA, Mamba2, LFM2's conv windows) taken during decode. (The Llama family's are in
 test_batching.py and test_random_models.py.)"""
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from tests.test_dsa import dsa_glm5, dsa_v32  # noqa: F401  (the random model fi
 from tests.test_glm5_flash import flash  # noqa: F401
 from tests.test_granite_hybrid import granite  # noqa: F401
 from tests.test_kimi_linear import kimi  # noqa: F401
+from tests.test_lfm2 import lfm2  # noqa: F401
 from tests.test_mtp import glm  # noqa: F401
 from tests.test_nemotron_h import nemotron  # noqa: F401
 from tests.test_recurrent_hybrid import _ids, qwen3_5, qwen3_next  # noqa: F401
 
 FAMILIES = pytest.mark.parametrize(
-    "family", ["qwen3_next", "qwen3_5", "kimi", "nemotron", "granite", "glm", "dsa_v32", "dsa_glm5", "flash"]
+    "family", ["qwen3_next", "qwen3_5", "kimi", "nemotron", "granite", "lfm2", "glm", "dsa_v32", "dsa_glm5", "flash"]
 )
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)

@@ -1,5 +1,5 @@
 """The hybrid GGUF files llama.cpp writes (qwen35, qwen35moe, qwen3next, nemotron_h_moe, a dense
-Nemotron-H, granitehybrid with experts and dense), made from random transformers checkpoints by
+Nemotron-H, granitehybrid with experts and dense, lfm2), made from random transformers checkpoints by
 llama.cpp's own converter: served by baton
 with transformers' greedy tokens on the source checkpoint (and so is the checkpoint's directory);
 quantized files' blocks placed as their float values are; bad files refused at load, naming the file
@@ -22,6 +22,7 @@ from baton.models.loader import WeightMismatchError, load_model
 from baton.models.weight_map import BlockRows
 from tests.gguf_files import VOCAB, convert, quantized, rewrite
 from tests.test_granite_hybrid import TINY as GRANITE
+from tests.test_lfm2 import TINY as LFM2
 from tests.test_random_models import make_model
 
 QWEN = dict(  # 2 key heads, 4 value heads: qwen35 files hold them tiled
@@ -97,6 +98,12 @@ CASES = {  # name: (architecture, config, the GGUF architecture the converter wr
         },
         "granitehybrid",
     ),
+    "lfm2": ("Lfm2ForCausalLM", {**LFM2, "vocab_size": VOCAB}, "lfm2"),
+    "lfm2-tied-kernel-4": (  # (the converter fails on a conv bias: it squeezes the bias like the kernel)
+        "Lfm2ForCausalLM",
+        {**LFM2, "vocab_size": VOCAB, "tie_word_embeddings": True, "conv_L_cache": 4},
+        "lfm2",
+    ),
 }
 PROMPTS = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40, 77)]
 
@@ -136,7 +143,7 @@ def files(tmp_path_factory):
     return _Files(tmp_path_factory)
 
 
-SLOW_CASES = ("granitehybrid-dense-tied",)
+SLOW_CASES = ("granitehybrid-dense-tied", "lfm2-tied-kernel-4")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
@@ -165,7 +172,13 @@ def test_llama_cpp_files_give_transformers_tokens(files, case):
 
 
 @pytest.mark.parametrize(
-    "case", ["qwen35-odd-pattern", "nemotron_h-moe", pytest.param("granitehybrid-moe", marks=pytest.mark.slow)]
+    "case",
+    [
+        "qwen35-odd-pattern",
+        "nemotron_h-moe",
+        pytest.param("granitehybrid-moe", marks=pytest.mark.slow),
+        pytest.param("lfm2", marks=pytest.mark.slow),
+    ],
 )
 def test_q8_0_blocks_sit_where_their_float_values_do(files, tmp_path, case):
     """The converter's transforms undone on blocks (rows regathered, tiled value heads, stacked

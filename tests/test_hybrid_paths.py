@@ -18,11 +18,12 @@ from tests.test_glm5_flash import flash  # noqa: F401
 from tests.test_granite_hybrid import granite  # noqa: F401
 from tests.test_handoff import prefill_output, repack, run_imported
 from tests.test_kimi_linear import kimi  # noqa: F401
+from tests.test_lfm2 import lfm2  # noqa: F401
 from tests.test_nemotron_h import nemotron  # noqa: F401
 from tests.test_recurrent_hybrid import _ids, qwen3_next  # noqa: F401
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-FAMILIES = ["qwen3_next", "kimi", "nemotron"]
+FAMILIES = ["qwen3_next", "kimi", "nemotron", "lfm2"]
 GRANITE = pytest.param("granite", marks=pytest.mark.slow)  # Mamba2 as nemotron's; its own paths in -m slow
 
 

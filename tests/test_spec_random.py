@@ -10,6 +10,7 @@ import pytest
 from baton import LLM, SamplingParams
 from tests.test_granite_hybrid import granite  # noqa: F401 - the fixture
 from tests.test_handoff import prefill_span, run_imported
+from tests.test_lfm2 import lfm2  # noqa: F401 - the fixture
 from tests.test_mtp import GLM, glm  # noqa: F401 - the fixture
 from tests.test_random_models import make_model
 from tests.test_recurrent_hybrid import QWEN3_NEXT
@@ -33,6 +34,7 @@ CASES = [  # the default suite runs one per model; `-m slow` all of them
     ("qwen3_next", "ngram"),
     pytest.param("qwen3_next", "draft_model", marks=pytest.mark.slow),
     pytest.param("granite", "ngram", marks=pytest.mark.slow),  # Mamba2 state rolled back per draft
+    pytest.param("lfm2", "ngram", marks=pytest.mark.slow),  # conv windows rolled back per draft
     pytest.param("glm", "ngram", marks=pytest.mark.slow),
     pytest.param("glm", "draft_model", marks=pytest.mark.slow),
     ("glm", "mtp"),

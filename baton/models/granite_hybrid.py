@@ -171,12 +171,6 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
 
-    def _shard_rows(self, fused: str, param: str) -> list[int]:
-        if fused.endswith("qkv_proj"):
-            layer = int(param.split(".")[1])
-            return list(self.layers[layer].self_attn.sizes)
-        return super()._shard_rows(fused, param)
-
     def gguf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return super().hf_weight_shapes()
 

@@ -203,8 +203,8 @@ class LlamaForCausalLM(FusedDecoding, nn.Module):
 
     def _shard_rows(self, fused: str, param: str) -> list[int]:
         """The rows each checkpoint part of fused parameter `param` takes, in order."""
-        if fused.endswith("qkv_proj"):
-            return list(self.layers[0].self_attn.sizes)
+        if fused.endswith("qkv_proj"):  # the layer's own: a hybrid's first layer may have no attention
+            return list(self.layers[int(param.split(".")[1])].self_attn.sizes)
         return [self.get_parameter(param).shape[0] // 2] * 2
 
     def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:

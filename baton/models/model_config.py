@@ -160,7 +160,7 @@ def parse_hf_config(
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-6))),  # norm_eps: LFM2
         max_position_embeddings=int(cfg.get("max_position_embeddings") or cfg.get("model_max_length") or 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma3)),
         layer_kinds=layer_kinds_from(cfg)
@@ -168,7 +168,7 @@ def parse_hf_config(
         else _layer_kinds(cfg, num_layers, 6 if is_gemma3 else None),
         rope=rope,
         attention_bias=bool(cfg.get("attention_bias", architecture == "Qwen2ForCausalLM")),
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Lfm2ForCausalLM"),
         hidden_act=act,
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256 if is_gemma3 else None),
         attn_logit_softcapping=cfg.get("attn_logit_softcapping"),

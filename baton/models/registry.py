@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from baton.models import gemma3, granite_hybrid_gguf, llama, nemotron_h_gguf, qwen3_next_gguf
+from baton.models import gemma3, granite_hybrid_gguf, lfm2, llama, nemotron_h_gguf, qwen3_next_gguf
 from baton.models.dsa import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from baton.models.gemma3 import Gemma3ForCausalLM
 from baton.models.gguf_arch import GGUFArch
@@ -12,6 +12,7 @@ from baton.models.glm4_moe import Glm4MoeForCausalLM
 from baton.models.glm5_flash import Glm5FlashForCausalLM
 from baton.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from baton.models.kimi_linear import KimiLinearForCausalLM
+from baton.models.lfm2 import Lfm2ForCausalLM
 from baton.models.llama import LlamaForCausalLM
 from baton.models.nemotron_h import NemotronHForCausalLM
 from baton.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM
@@ -30,6 +31,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
@@ -52,5 +54,6 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     **qwen3_next_gguf.GGUF_ARCHS,
     **nemotron_h_gguf.GGUF_ARCHS,
     **granite_hybrid_gguf.GGUF_ARCHS,
+    **lfm2.GGUF_ARCHS,
 }
 """llama.cpp's architecture names (a GGUF file's general.architecture), each as its family declares it."""

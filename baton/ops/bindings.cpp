@@ -10,6 +10,7 @@ void bind_moe_layer(pybind11::module_& m);               // moe_layer.cpp
 void bind_mla_layer(pybind11::module_& m);               // mla_layer.cpp
 void bind_kda_layer(pybind11::module_& m);               // kda_layer.cpp
 void bind_mamba_layer(pybind11::module_& m);             // mamba_layer.cpp
+void bind_shortconv_layer(pybind11::module_& m);         // shortconv_layer.cpp
 
 // Every op releases the GIL while it runs (its arguments are converted before, its result after),
 // so Python threads such as the server's event loop go on meanwhile. No op touches a Python object.
@@ -49,4 +50,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_mla_layer(m);
   bind_kda_layer(m);
   bind_mamba_layer(m);
+  bind_shortconv_layer(m);
 }

@@ -229,6 +229,22 @@ StateTensors StepArgs::state(const torch::Tensor& conv_weight, int64_t channels,
   return s;
 }
 
+StateTensors StepArgs::conv_state(const torch::Tensor& conv_weight, int64_t channels, int64_t kc) {
+  StateTensors s{tensor("conv_state"), torch::Tensor(), tensor("conv_checkpoints"), torch::Tensor()};
+  TORCH_CHECK(kc >= 2, "conv kernel must be at least 2, got ", kc);
+  check_float(conv_weight, "conv_weight");
+  TORCH_CHECK(conv_weight.is_contiguous() && conv_weight.dim() == 2 && conv_weight.size(0) == channels &&
+                  conv_weight.size(1) == kc,
+              "conv_weight must be contiguous [", channels, ", ", kc, "], got ", conv_weight.sizes());
+  for (const auto& [t, name] : {std::pair{&s.conv, "conv_state"}, std::pair{&s.conv_ckpt, "conv_checkpoints"}}) {
+    check_float(*t, name);
+    TORCH_CHECK(t->dim() == 3 && t->size(1) == channels && t->size(2) == kc - 1 &&
+                    (t->size(0) == 0 || t->select(0, 0).is_contiguous()),
+                name, " must be [n, ", channels, ", ", kc - 1, "], each entry contiguous, got ", t->sizes());
+  }
+  return s;
+}
+
 void StepArgs::finish(const char* step) const {
   std::string unknown;
   for (const auto& [name, value] : args_)
@@ -236,9 +252,9 @@ void StepArgs::finish(const char* step) const {
   TORCH_CHECK(unknown.empty(), step, " takes no argument(s) ", unknown);
 }
 
-torch::Tensor causal_conv_silu_(const torch::Tensor& proj, const std::vector<int64_t>& columns,
-                                const torch::Tensor& weight, const torch::Tensor& bias, torch::Tensor& conv_state,
-                                const std::vector<int64_t>& slots) {
+torch::Tensor causal_conv_(const torch::Tensor& proj, const std::vector<int64_t>& columns, const torch::Tensor& weight,
+                           const torch::Tensor& bias, torch::Tensor& conv_state, const std::vector<int64_t>& slots,
+                           bool silu) {
   const int64_t rows = proj.size(0), channels = static_cast<int64_t>(columns.size()), kc = weight.size(1);
   torch::Tensor conv = torch::empty({rows, channels}, proj.options());
   const float* src = proj.data_ptr<float>();
@@ -255,7 +271,7 @@ torch::Tensor causal_conv_silu_(const torch::Tensor& proj, const std::vector<int
                                                  src[t * src_stride + columns[c]], b ? b[c] : 0.f);
     }
   });
-  torch_unary(out, out, rows, channels, true, Silu());
+  if (silu) torch_unary(out, out, rows, channels, true, Silu());
   return conv;
 }
 
@@ -264,7 +280,7 @@ torch::Tensor RecurrentStep::run(const torch::Tensor& h, const StepBatch& step, 
   watch.lap(StepPart::kLinears);
   state_.snapshot(step, 0);
   const torch::Tensor conv =
-      causal_conv_silu_(proj, conv_columns_, conv_weight_, conv_bias_, state_.conv, step.state_slots);
+      causal_conv_(proj, conv_columns_, conv_weight_, conv_bias_, state_.conv, step.state_slots, true);
   const torch::Tensor mixed = mix(h, proj, conv, step, watch);
   state_.snapshot(step, 1);
   watch.lap(StepPart::kRecurrent);

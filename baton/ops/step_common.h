@@ -79,7 +79,7 @@ struct StateTensors {
   // the checkpoints taken `offset` rows into their row (0: before its token)
   void snapshot(const StepBatch& step, int64_t offset) {
     snapshot_state(conv_ckpt, conv, step, offset);
-    snapshot_state(rec_ckpt, rec, step, offset);
+    if (rec.defined()) snapshot_state(rec_ckpt, rec, step, offset);  // undefined: a conv-only layer (LFM2)
   }
 };
 
@@ -114,6 +114,8 @@ class StepArgs {
   // weight conv_weight [channels, kc] and a recurrent state of `state_shape` (each entry)
   StateTensors state(const torch::Tensor& conv_weight, int64_t channels, int64_t kc,
                      const std::vector<int64_t>& state_shape);
+  // conv_state and conv_checkpoints alone: a layer whose only state is its conv window
+  StateTensors conv_state(const torch::Tensor& conv_weight, int64_t channels, int64_t kc);
   void finish(const char* step) const;
   // a bound C++ object (a state several steps share); null where absent or None
   template <class T>
@@ -139,12 +141,12 @@ void bind_step(pybind11::module_& m, const char* name) {
       }));
 }
 
-// silu(depthwise causal conv) [rows, columns] of the columns `columns` of proj [rows, *], each
-// over its row's window in conv_state [slots, columns, kc - 1] (conv_window_step per channel, the
-// window shifting by one); bias undefined: none
-torch::Tensor causal_conv_silu_(const torch::Tensor& proj, const std::vector<int64_t>& columns,
-                                const torch::Tensor& weight, const torch::Tensor& bias, torch::Tensor& conv_state,
-                                const std::vector<int64_t>& slots);
+// The depthwise causal conv [rows, columns] of the columns `columns` of proj [rows, *], each over
+// its row's window in conv_state [slots, columns, kc - 1] (conv_window_step per channel, the
+// window shifting by one), then silu where `silu`; bias undefined: none
+torch::Tensor causal_conv_(const torch::Tensor& proj, const std::vector<int64_t>& columns, const torch::Tensor& weight,
+                           const torch::Tensor& bias, torch::Tensor& conv_state, const std::vector<int64_t>& slots,
+                           bool silu);
 
 // A recurrent mixer (Gated DeltaNet, Kimi Delta Attention, Mamba2) for one token per row: in_proj,
 // the checkpoints asked for before the row's token, the causal conv over each row's window, the

@@ -1,6 +1,7 @@
 """How each kind of layer splits over tensor-parallel ranks: attention and latent attention by
 query heads (KV heads divided or replicated), the recurrent mixers (Gated DeltaNet, Kimi Delta
-Attention, Mamba2) by their heads with the conv channels and state that go with them, dense MLPs
+Attention, Mamba2) by their heads with the conv channels and state that go with them, LFM2's short
+convolutions by channels, dense MLPs
 by columns, MoE by experts. Each rule updates `local`, the config fields of this rank's part, and
 a recurrent mixer records which channels of each state tensor's first dimension this rank holds
 (`state_channels`: what a KV span's state splits into)."""
@@ -12,6 +13,7 @@ from torch import nn
 
 from baton.models.glm5_flash import HyperConnection
 from baton.models.kimi_linear import KimiDeltaAttention
+from baton.models.lfm2 import ShortConv
 from baton.models.llama import Attention, GatedMLP
 from baton.models.mamba2 import Mamba2Mixer
 from baton.models.mla import MLAttention
@@ -180,6 +182,22 @@ def _mamba2(mixer: Mamba2Mixer, local: dict, sharder: Sharder) -> None:
     local.setdefault("state_channels", {})[mixer.layer_id] = [conv, torch.arange(heads.start, heads.stop)]
 
 
+def _short_conv(conv: ShortConv, local: dict, sharder: Sharder) -> None:
+    """By channels: in_proj's rows are B | C | x, each a channel's; the conv, its window and
+    out_proj's columns go with them."""
+    tp, hidden = sharder.tp, conv.channels
+    mine = even_split(hidden, tp.size, tp.rank)
+    channels = torch.arange(mine.start, mine.stop)
+    conv.in_proj = sharder.take_rows(conv.in_proj, torch.cat([channels, channels + hidden, channels + 2 * hidden]))
+    conv.conv.weight = _param(conv.conv.weight, channels)
+    if conv.conv.bias is not None:
+        conv.conv.bias = _param(conv.conv.bias, channels)
+    conv.out_proj = _out_proj(sharder, conv.out_proj, mine)
+    conv.channels = len(channels)
+    local.setdefault("hf", {}).update(conv_channels=len(channels))
+    local.setdefault("state_channels", {})[conv.layer_id] = [channels]
+
+
 def _shard_mlp(mlp: nn.Module, sharder: Sharder) -> None:
     """Column-parallel in, row-parallel out; a gated MLP's gate_up rows are [gate | up]."""
     tp = sharder.tp
@@ -219,4 +237,5 @@ _RULES = {
     GatedDeltaNet: _gated_delta_net,
     KimiDeltaAttention: _kimi_delta_attention,
     Mamba2Mixer: _mamba2,
+    ShortConv: _short_conv,
 }

@@ -1,0 +1,243 @@
+"""LFM2 (Liquid): short gated convolutions (in_proj into B, C, x; y = C * conv(B * x), a depthwise
+causal conv of a few taps, its window the layer's whole state) beside GQA attention layers with
+q/k norms; a SwiGLU MLP after each; the final norm is checkpointed as `embedding_norm`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from baton.kv.spec import LayerKind
+from baton.models.fused_decode import DecodeBlock, StepBinding, linear_args, mixer_mlp_blocks, packed_only
+from baton.models.gguf_arch import GGUFArch, GGUFMetadata, Value, base_config, reshaped, uniform
+from baton.models.layers import RMSNorm, unwrapped
+from baton.models.llama import Attention, ForwardContext, LlamaForCausalLM
+from baton.models.model_config import TextModelConfig
+from baton.models.moe import MLP
+from baton.models.recurrent import conv_over_segments, segments
+from baton.ops import ops
+
+
+def layer_types(hf: dict[str, Any]) -> list[str]:
+    n = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None:
+        attention = hf.get("full_attn_idxs")
+        attention = range(n) if attention is None else attention
+        types = ["full_attention" if i in attention else "conv" for i in range(n)]
+    if len(types) != n or not set(types) <= {"conv", "full_attention"}:
+        raise ValueError(f"LFM2 config: layer_types must be {n} of conv / full_attention, got {types!r}")
+    return list(types)
+
+
+def conv_kernel(hf: dict[str, Any]) -> int:
+    k = int(hf.get("conv_L_cache", 3))
+    if k < 2:
+        raise ValueError(f"LFM2 config: conv_L_cache must be at least 2, got {k}")
+    return k
+
+
+def layer_kinds(hf: dict[str, Any]) -> list[LayerKind]:
+    # conv_channels: a tensor-parallel rank's share of the hidden channels (shard_layers.py)
+    conv = LayerKind.recurrent((int(hf.get("conv_channels") or hf["hidden_size"]), conv_kernel(hf) - 1))
+    return [conv if t == "conv" else LayerKind.full() for t in layer_types(hf)]
+
+
+def ff_dim(hf: dict[str, Any]) -> int:
+    """The MLP's width: intermediate_size, cut to 2/3, scaled and rounded up as the config says."""
+    width = int(hf.get("block_ff_dim") or hf["intermediate_size"])
+    if hf.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        if hf.get("block_ffn_dim_multiplier") is not None:
+            width = int(float(hf["block_ffn_dim_multiplier"]) * width)
+        multiple = int(hf.get("block_multiple_of", 256))
+        width = multiple * ((width + multiple - 1) // multiple)
+    if width < 1:
+        raise ValueError(f"LFM2 config gives an MLP width of {width}")
+    return width
+
+
+class ShortConv(nn.Module):
+    def __init__(self, hidden_size: int, layer_id: int, kernel: int, bias: bool) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.channels = hidden_size  # a tensor-parallel rank's share after sharding
+        self.in_proj = nn.Linear(hidden_size, 3 * hidden_size, bias=bias)
+        self.conv = nn.Conv1d(hidden_size, hidden_size, kernel, groups=hidden_size, bias=bias)
+        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        b, c, v = self.in_proj(x).chunk(3, dim=-1)
+        (conv_state,), (conv_ckpt,) = ctx.states.layer(self.layer_id)
+        segs = list(segments(ctx.state_meta))
+        conv = conv_over_segments(b * v, segs, conv_state, conv_ckpt, self.conv.weight[:, 0], self.conv.bias)
+        return self.out_proj(c * conv)
+
+    def decode_step(self, binding: StepBinding):
+        """This layer as a fused decoder's step (baton/ops/shortconv_layer.cpp); None without state
+        or with a projection off the packed kernels."""
+        out_proj = unwrapped(self.out_proj)
+        if binding.states is None or not packed_only(self, out_proj):
+            return None
+        (conv_state,), (conv_ckpt,) = binding.states.layer(self.layer_id)
+        bias = self.conv.bias
+        return ops().ShortConvStep(
+            hidden=out_proj.out_features,
+            channels=self.channels,
+            conv_kernel=self.conv.weight.shape[-1],
+            **linear_args("in_proj", self.in_proj),
+            **linear_args("out_proj", out_proj),
+            conv_weight=self.conv.weight[:, 0].float().contiguous(),
+            conv_bias=None if bias is None else bias.float().contiguous(),
+            conv_state=conv_state,
+            conv_checkpoints=conv_ckpt,
+        )
+
+
+class Lfm2DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
+        super().__init__()
+        hf = cfg.hf
+        self.recurrent = cfg.layer_kinds[layer_id].is_recurrent
+        if self.recurrent:
+            self.conv = ShortConv(cfg.hidden_size, layer_id, conv_kernel(hf), bool(hf.get("conv_bias", False)))
+        else:
+            self.self_attn = Attention(cfg, layer_id)
+        self.feed_forward = MLP(cfg.hidden_size, ff_dim(hf))
+        self.operator_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: dict, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.operator_norm.pre_norm(x, residual)
+        h = self.conv(h, ctx) if self.recurrent else self.self_attn(h, rope["full"], ctx)
+        return self.feed_forward(self.ffn_norm(h, residual)), residual
+
+    def decode_blocks(self, binding: StepBinding) -> list[DecodeBlock] | None:
+        mixer = (self.conv if self.recurrent else self.self_attn).decode_step(binding)
+        mlp = unwrapped(self.feed_forward).decode_step(binding)
+        return mixer_mlp_blocks(self.operator_norm, mixer, self.ffn_norm, mlp)
+
+
+# baton's parameter names -> the checkpoint's (after Llama's "model." prefix and unfused parts)
+_RENAMED = {
+    "model.norm.": "model.embedding_norm.",
+    ".self_attn.o_proj.": ".self_attn.out_proj.",
+    ".self_attn.q_norm.": ".self_attn.q_layernorm.",
+    ".self_attn.k_norm.": ".self_attn.k_layernorm.",
+    ".feed_forward.down_proj.": ".feed_forward.w2.",
+}
+
+
+def _rename(name: str, table: dict[str, str]) -> str:
+    for old, new in table.items():
+        if old in name:
+            return name.replace(old, new, 1)
+    return name
+
+
+class Lfm2ForCausalLM(LlamaForCausalLM):
+    layer_cls = Lfm2DecoderLayer
+    layer_kinds_from = staticmethod(layer_kinds)
+    _UNFUSED = {
+        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "feed_forward.gate_up_proj": ("feed_forward.w1", "feed_forward.w3"),
+    }
+
+    def __init__(self, cfg: TextModelConfig) -> None:
+        super().__init__(cfg)
+        self.rotary = nn.ModuleDict({k: r for k, r in self.rotary.items() if k == "full"})
+        self.layer_kinds = ["full"]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed(input_ids)
+        rope = {"full": self.rotary["full"](positions, x.dtype)}
+        one_token_rows = ctx.state_meta is None or all(s.q_end - s.q_start == 1 for s in ctx.state_meta.seqs)
+        if ctx.decode_only and one_token_rows and self._fused_decoder_for(ctx.storage, ctx.states) is not None:
+            return self.fused_decoder(x, rope, ctx)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, rope, ctx)
+        return self.norm(x, residual)
+
+    def _shard_rows(self, fused: str, param: str) -> list[int]:
+        if fused.endswith("gate_up_proj"):
+            return [self.get_parameter(param).shape[0] // 2] * 2
+        return super()._shard_rows(fused, param)
+
+    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {_rename(n, _RENAMED): shape for n, shape in super().hf_weight_shapes().items()}
+
+    def load_weight(self, hf_name: str, tensor) -> None:
+        super().load_weight(_rename(hf_name, {new: old for old, new in _RENAMED.items()}), tensor)
+
+
+# ---- GGUF: llama.cpp's lfm2 files ----------------------------------------------------------------
+
+
+def _gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
+    """A layer is a short conv exactly where its attention.head_count_kv is 0 (llama.cpp's rule),
+    checked against its tensors; feed_forward_length is the MLP's width as used."""
+    cfg = base_config(meta, "Lfm2ForCausalLM")
+    n = cfg["num_hidden_layers"]
+    kv = meta.per_layer("attention.head_count_kv", meta.integer("block_count"))[:n]
+    types = []
+    for i in range(n):
+        conv, attention = meta.block_has(i, "shortconv.in_proj.weight"), meta.block_has(i, "attn_q.weight")
+        if conv == attention or attention != bool(kv[i]):
+            raise ValueError(
+                f"{meta.where}: block {i} holds {'both mixers' if conv else 'no mixer'} or its tensors "
+                f"disagree with attention.head_count_kv ({kv[i]})"
+            )
+        types.append("full_attention" if attention else "conv")
+    uniform(meta, "attention.head_count_kv", n, "num_key_value_heads", cfg)
+    cfg.update(
+        layer_types=types,
+        conv_L_cache=meta.integer("shortconv.l_cache"),
+        conv_bias=any(meta.block_has(i, "shortconv.in_proj.bias") for i in range(n)),
+        intermediate_size=meta.integer("feed_forward_length"),
+        block_auto_adjust_ff_dim=False,
+    )
+    return cfg
+
+
+def _gguf_transform(hf_name: str, value: Value, meta: GGUFMetadata):
+    if hf_name.endswith(".conv.conv.weight"):  # stored squeezed [C, K]
+        value = reshaped(value, value.shape[0], 1, -1)
+    yield hf_name, value
+
+
+_GGUF_NAMES = {
+    "attn_norm.weight": "operator_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.out_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_layernorm.weight",
+    "attn_k_norm.weight": "self_attn.k_layernorm.weight",
+    "ffn_gate.weight": "feed_forward.w1.weight",
+    "ffn_up.weight": "feed_forward.w3.weight",
+    "ffn_down.weight": "feed_forward.w2.weight",
+    **{
+        f"shortconv.{part}.{kind}": f"conv.{part}.{kind}"
+        for part in ("conv", "in_proj", "out_proj")
+        for kind in ("weight", "bias")
+    },
+}
+GGUF_ARCHS = {
+    "lfm2": GGUFArch(
+        "Lfm2ForCausalLM",
+        _gguf_config,
+        _GGUF_NAMES,
+        {
+            "token_embd.weight": "model.embed_tokens.weight",
+            "token_embd_norm.weight": "model.embedding_norm.weight",  # the final norm (llama.cpp's name)
+            "output.weight": "lm_head.weight",
+        },
+        transform=_gguf_transform,
+    )
+}
