@@ -21,6 +21,7 @@ from baton.models.gguf_blocks import BlockTensor
 from baton.models.loader import WeightMismatchError, load_model
 from baton.models.weight_map import BlockRows
 from tests.gguf_files import VOCAB, convert, quantized, rewrite
+from tests.test_granite_hybrid import BAMBA
 from tests.test_granite_hybrid import TINY as GRANITE
 from tests.test_lfm2 import TINY as LFM2
 from tests.test_random_models import make_model
@@ -98,6 +99,7 @@ CASES = {  # name: (architecture, config, the GGUF architecture the converter wr
         },
         "granitehybrid",
     ),
+    "bamba": ("BambaForCausalLM", {**BAMBA, "vocab_size": VOCAB}, "granitehybrid"),
     "lfm2": ("Lfm2ForCausalLM", {**LFM2, "vocab_size": VOCAB}, "lfm2"),
     "lfm2-tied-kernel-4": (  # (the converter fails on a conv bias: it squeezes the bias like the kernel)
         "Lfm2ForCausalLM",
@@ -126,6 +128,13 @@ class _Files(dict):
             source = shutil.copytree(hf_dir, hf_dir.parent / f"{case}-for-converter")
             cfg = json.loads((source / "config.json").read_text())
             (source / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_5_text"}))
+        if arch == "BambaForCausalLM":  # Bamba's checkpoints say how much of a head rotates; transformers' do not
+            source = shutil.copytree(hf_dir, hf_dir.parent / f"{case}-for-converter")
+            cfg = json.loads((source / "config.json").read_text())
+            rotary = int(
+                cfg["hidden_size"] // cfg["num_attention_heads"] * cfg["rope_parameters"]["partial_rotary_factor"]
+            )
+            (source / "config.json").write_text(json.dumps({**cfg, "attn_rotary_emb": rotary}))
         if arch == "GraniteMoeHybridForCausalLM":
             # the converter knows IBM's layer type names (mamba / attention), not transformers 5's
             source = shutil.copytree(hf_dir, hf_dir.parent / f"{case}-for-converter")
@@ -143,7 +152,7 @@ def files(tmp_path_factory):
     return _Files(tmp_path_factory)
 
 
-SLOW_CASES = ("granitehybrid-dense-tied", "lfm2-tied-kernel-4")
+SLOW_CASES = ("granitehybrid-dense-tied", "bamba", "lfm2-tied-kernel-4")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])

@@ -1,6 +1,6 @@
 """Granite-4.0-H (GraniteMoeHybrid: Mamba2 + attention, softmax MoE + shared expert or a dense MLP,
-IBM's multipliers) against transformers' torch path: prompt logits at several prefill chunkings,
-greedy decode, a prefix-cache hit through the state checkpoints."""
+IBM's multipliers) and Bamba against transformers' torch path: prompt logits at several prefill
+chunkings, greedy decode, a prefix-cache hit through the state checkpoints."""
 
 from __future__ import annotations
 
@@ -40,13 +40,30 @@ SHAPES = {
     "dense": {"num_local_experts": 0, "layer_types": ["attention", "mamba", "mamba"], "num_hidden_layers": 3},
     "mha-one-group": {"num_key_value_heads": 4, "mamba_n_groups": 1, "position_embedding_type": "rope"},
 }
+BAMBA = dict(  # rotary on half of each head, a dense MLP, no multipliers
+    vocab_size=256,
+    max_position_embeddings=512,
+    hidden_size=64,
+    num_hidden_layers=4,
+    attn_layer_indices=[1, 3],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_n_groups=2,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_chunk_size=16,
+    tie_word_embeddings=False,
+)
 PROMPT = torch.randint(3, 256, (150,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-def build(tmp_path, **overrides):
+def build(tmp_path, arch="GraniteMoeHybridForCausalLM", **overrides):
     """(reference, path): weights re-randomised at O(1) scale (A_log, D, dt_bias keep HF's init) so
     that every mixer moves the logits."""
-    ref, path = make_model(tmp_path, "GraniteMoeHybridForCausalLM", **{**TINY, **overrides})
+    ref, path = make_model(tmp_path, arch, **{**(BAMBA if arch == "BambaForCausalLM" else TINY), **overrides})
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -65,6 +82,11 @@ def build(tmp_path, **overrides):
 @pytest.fixture(scope="module")
 def granite(tmp_path_factory):
     return build(tmp_path_factory.mktemp("granite"))
+
+
+@pytest.fixture(scope="module")
+def bamba(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("bamba"), "BambaForCausalLM")
 
 
 def test_kv_spec_pages_attention_and_keeps_state_for_mamba(granite):
@@ -108,6 +130,26 @@ def test_greedy_decode_and_prefix_cache_hit(granite):
     both = llm.generate([{"prompt_token_ids": other}, {"prompt_token_ids": PROMPT[:120]}], params)
     alone = [llm.generate([{"prompt_token_ids": p}], params)[0] for p in (other, PROMPT[:120])]
     assert [o.outputs[0].token_ids for o in both] == [o.outputs[0].token_ids for o in alone]
+    assert llm.engine.kv.all_free()
+
+
+def test_bamba_logits_greedy_tokens_and_prefix_hit(bamba):
+    ref, path = bamba
+    with torch.no_grad():
+        expected = ref(torch.tensor([PROMPT]), use_cache=False).logits[0]
+    llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, max_num_batched_tokens=37)
+    assert llm.engine.model.layers[1].self_attn.partial_rotary  # half of each head
+    got = llm.prompt_logits({"prompt_token_ids": PROMPT})
+    assert expected.abs().max() > 1.0
+    assert (got - expected).abs().max() / expected.abs().max() < 1e-4
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    new = llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids
+    with torch.no_grad():
+        logits = ref(torch.tensor([PROMPT + new]), use_cache=False).logits[0]
+    assert new == logits[len(PROMPT) - 1 : -1].argmax(-1).tolist()
+    assert llm.engine.model.fused_decoder is not None
+    again = llm.generate([{"prompt_token_ids": PROMPT}], params)[0]
+    assert again.num_cached_tokens == 144 and again.outputs[0].token_ids == new
     assert llm.engine.kv.all_free()
 
 

@@ -3,10 +3,12 @@ none, as `position_embedding_type` says), each followed by softmax-routed SiLU e
 shared expert, or by one dense SiLU MLP. IBM's multipliers: the embedding's, each block's output
 before the residual add (`residual_multiplier`), the attention scale, and logits divided by
 `logits_scaling`. Checkpoints stack the experts ([experts, 2I, H] gate | up); llama.cpp's
-granitehybrid files keep them apart (granite_hybrid_gguf.py)."""
+granitehybrid files keep them apart (granite_hybrid_gguf.py). Bamba, its predecessor, is the
+same program with a dense MLP, rotary on half of each head and no multipliers."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -15,11 +17,13 @@ from torch import nn
 from baton.kv.spec import LayerKind
 from baton.models.fused_decode import DecodeBlock, StepBinding, attention_step, mixer_mlp_blocks
 from baton.models.gguf_blocks import BlockTensor
-from baton.models.layers import PackedLinear, RMSNorm, StackedLinear, unwrapped
+from baton.models.layers import PackedLinear, RMSNorm, StackedLinear, paged_attention, unwrapped
 from baton.models.llama import Attention, ForwardContext, LlamaForCausalLM
 from baton.models.mamba2 import Mamba2Dims, Mamba2Mixer, time_step_limit
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import MLP, SparseMoE
+from baton.models.qwen3_next import partial_rotary
+from baton.models.rope import Rotary
 
 # transformers 5's layer type names, then IBM's checkpoints'
 _TYPES = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention"}
@@ -82,10 +86,21 @@ class GraniteAttention(Attention):
     def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
         super().__init__(cfg, layer_id)
         self.rotary = cfg.hf.get("position_embedding_type") == "rope"
+        self.partial_rotary = self.rotary and cfg.rope["full"].partial_rotary_factor < 1  # Bamba: half
         self.scale = _multiplier(cfg.hf, "attention_multiplier")
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
-        return super().forward(x, rope if self.rotary else None, ctx)
+        if not self.partial_rotary:
+            return super().forward(x, rope if self.rotary else None, ctx)
+        n, d = x.shape[0], self.head_dim
+        q_size, kv_size, _ = self.sizes
+        qkv = self.qkv_proj(x)
+        q = qkv[:, :q_size].reshape(n, self.num_heads, d)
+        k = qkv[:, q_size : q_size + kv_size].reshape(n, self.num_kv_heads, d)
+        v = qkv[:, q_size + kv_size :].reshape(n, self.num_kv_heads, d)
+        q, k = partial_rotary(q, *rope), partial_rotary(k, *rope)
+        cache, meta = ctx.for_layer(self.layer_id)
+        return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale).reshape(n, -1))
 
     def decode_step(self, binding: StepBinding):
         if self.rotary:
@@ -143,7 +158,8 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
         super().__init__(cfg)
         self.embedding_multiplier = _multiplier(cfg.hf, "embedding_multiplier")
         self.logits_scaling = _multiplier(cfg.hf, "logits_scaling")
-        self.rotary = nn.ModuleDict({k: r for k, r in self.rotary.items() if k == "full"})
+        rope = cfg.rope["full"]
+        self.rotary = nn.ModuleDict({"full": Rotary(rope, int(cfg.head_dim * rope.partial_rotary_factor))})
         self.layer_kinds = ["full"]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -223,6 +239,50 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
                 super().load_weight(f"{prefix}mlp.experts.{e}.up_proj.weight", up)
             else:
                 super().load_weight(f"{prefix}mlp.experts.{e}.down_proj.weight", expert)
+
+
+def bamba_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A Bamba config in GraniteMoeHybrid's keys."""
+    n, attention = int(hf["num_hidden_layers"]), hf.get("attn_layer_indices") or []
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+    if not isinstance(attention, list) or any(not isinstance(i, int) or not 0 <= i < n for i in attention):
+        raise ValueError(f"Bamba config: attn_layer_indices must be layer numbers below {n}, got {attention!r}")
+    return {
+        **hf,
+        "layer_types": ["attention" if i in attention else "mamba" for i in range(n)],
+        "position_embedding_type": "rope",
+        "num_local_experts": 0,
+        "shared_intermediate_size": int(hf["intermediate_size"]),
+        "attention_multiplier": head_dim**-0.5,
+    }
+
+
+# Bamba's checkpoint names for what Granite's program calls otherwise
+_BAMBA_NAMES = {
+    ".mlp.": ".feed_forward.",
+    ".post_attention_layernorm.": ".pre_ff_layernorm.",
+    "model.norm.": "model.final_layernorm.",
+}
+
+
+def _renamed(name: str, table: dict[str, str]) -> str:
+    for old, new in table.items():
+        if old in name:
+            return name.replace(old, new, 1)
+    return name
+
+
+class BambaForCausalLM(GraniteMoeHybridForCausalLM):
+    layer_kinds_from = staticmethod(lambda hf: layer_kinds(bamba_config(hf)))
+
+    def __init__(self, cfg: TextModelConfig) -> None:
+        super().__init__(dataclasses.replace(cfg, hf=bamba_config(cfg.hf)))
+
+    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {_renamed(n, _BAMBA_NAMES): shape for n, shape in self.gguf_weight_shapes().items()}
+
+    def load_weight(self, hf_name: str, tensor: torch.Tensor | BlockTensor) -> None:
+        LlamaForCausalLM.load_weight(self, _renamed(hf_name, {v: k for k, v in _BAMBA_NAMES.items()}), tensor)
 
 
 def _layer(hf_name: str) -> int:

@@ -1,6 +1,6 @@
-"""Granite-4.0-H's GGUF files (llama.cpp's granitehybrid), read as a GraniteMoeHybrid checkpoint
-under the names baton reads from GGUF (GraniteMoeHybridForCausalLM.gguf_weight_shapes: experts
-one by one, gate and up apart)."""
+"""Granite-4.0-H's and Bamba's GGUF files (llama.cpp's granitehybrid), read as a GraniteMoeHybrid
+checkpoint under the names baton reads from GGUF (GraniteMoeHybridForCausalLM.gguf_weight_shapes:
+experts one by one, gate and up apart)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,16 @@ def _gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
         attention_multiplier=meta.real("attention.scale", 0.0) or head_dim**-0.5,
         position_embedding_type="rope" if meta.get("rope.scaling.finetuned", True) else None,
     )
+    rotary = meta.integer("rope.dimension_count", head_dim)
+    if cfg["position_embedding_type"] == "rope" and rotary != head_dim:  # Bamba: half of each head
+        if not 0 < rotary < head_dim or rotary % 2:
+            raise ValueError(f"{meta.where}: rope.dimension_count {rotary} does not fit heads of {head_dim}")
+        theta = cfg.get("rope_theta", 10_000.0)
+        cfg["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": theta,
+            "partial_rotary_factor": rotary / head_dim,
+        }
     if meta.integer("expert_count", 0):
         cfg.update(
             num_local_experts=meta.integer("expert_count"),

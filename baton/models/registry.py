@@ -10,7 +10,7 @@ from baton.models.gemma3 import Gemma3ForCausalLM
 from baton.models.gguf_arch import GGUFArch
 from baton.models.glm4_moe import Glm4MoeForCausalLM
 from baton.models.glm5_flash import Glm5FlashForCausalLM
-from baton.models.granite_hybrid import GraniteMoeHybridForCausalLM
+from baton.models.granite_hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
 from baton.models.kimi_linear import KimiLinearForCausalLM
 from baton.models.lfm2 import Lfm2ForCausalLM
 from baton.models.llama import LlamaForCausalLM
@@ -31,6 +31,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "BambaForCausalLM": BambaForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
