@@ -12,14 +12,17 @@ from tests.test_dsa import dsa_glm5, dsa_v32  # noqa: F401  (the random model fi
 from tests.test_glm5_flash import flash  # noqa: F401
 from tests.test_granite_hybrid import bamba, granite  # noqa: F401
 from tests.test_kimi_linear import kimi  # noqa: F401
-from tests.test_lfm2 import lfm2  # noqa: F401
+from tests.test_lfm2 import lfm2, lfm2_moe  # noqa: F401
 from tests.test_mtp import glm  # noqa: F401
 from tests.test_nemotron_h import nemotron  # noqa: F401
 from tests.test_recurrent_hybrid import _ids, qwen3_5, qwen3_next  # noqa: F401
 
 FAMILIES = pytest.mark.parametrize(
     "family",
-    ["qwen3_next", "qwen3_5", "kimi", "nemotron", "granite", "bamba", "lfm2", "glm", "dsa_v32", "dsa_glm5", "flash"],
+    [
+        *("qwen3_next", "qwen3_5", "kimi", "nemotron", "granite", "bamba", "lfm2", "lfm2_moe"),
+        *("glm", "dsa_v32", "dsa_glm5", "flash"),
+    ],
 )
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)

@@ -1,5 +1,5 @@
 """The hybrid GGUF files llama.cpp writes (qwen35, qwen35moe, qwen3next, nemotron_h_moe, a dense
-Nemotron-H, granitehybrid with experts and dense, lfm2), made from random transformers checkpoints by
+Nemotron-H, granitehybrid with experts and dense, lfm2, lfm2moe), made from random transformers checkpoints by
 llama.cpp's own converter: served by baton
 with transformers' greedy tokens on the source checkpoint (and so is the checkpoint's directory);
 quantized files' blocks placed as their float values are; bad files refused at load, naming the file
@@ -23,6 +23,7 @@ from baton.models.weight_map import BlockRows
 from tests.gguf_files import VOCAB, convert, quantized, rewrite
 from tests.test_granite_hybrid import BAMBA
 from tests.test_granite_hybrid import TINY as GRANITE
+from tests.test_lfm2 import MOE as LFM2_MOE
 from tests.test_lfm2 import TINY as LFM2
 from tests.test_random_models import make_model
 
@@ -101,6 +102,13 @@ CASES = {  # name: (architecture, config, the GGUF architecture the converter wr
     ),
     "bamba": ("BambaForCausalLM", {**BAMBA, "vocab_size": VOCAB}, "granitehybrid"),
     "lfm2": ("Lfm2ForCausalLM", {**LFM2, "vocab_size": VOCAB}, "lfm2"),
+    # tied and unscaled, as LiquidAI's: the converter cannot map an untied lfm2moe lm_head and
+    # writes no routed_scaling_factor
+    "lfm2moe": (
+        "Lfm2MoeForCausalLM",
+        {**LFM2_MOE, "vocab_size": VOCAB, "tie_word_embeddings": True, "routed_scaling_factor": 1.0},
+        "lfm2moe",
+    ),
     "lfm2-tied-kernel-4": (  # (the converter fails on a conv bias: it squeezes the bias like the kernel)
         "Lfm2ForCausalLM",
         {**LFM2, "vocab_size": VOCAB, "tie_word_embeddings": True, "conv_L_cache": 4},

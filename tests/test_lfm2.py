@@ -1,6 +1,7 @@
-"""LFM2 (short gated convolutions + attention with q/k norms, SwiGLU MLPs) against transformers'
-torch path: prompt logits at several prefill chunkings and shapes, greedy decode, a prefix-cache hit
-through the conv-window checkpoints (the layer's only state)."""
+"""LFM2 and LFM2-MoE (short gated convolutions + attention with q/k norms, SwiGLU MLPs or
+sigmoid-routed experts) against transformers' torch path: prompt logits at several prefill
+chunkings and shapes, greedy decode, a prefix-cache hit through the conv-window checkpoints (the
+layer's only state)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,30 @@ SHAPES = {
         "block_auto_adjust_ff_dim": False,
     },
 }
+MOE = dict(  # LFM2-MoE: two dense layers, then 6 sigmoid-routed experts with an expert bias
+    vocab_size=256,
+    max_position_embeddings=512,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_experts=6,
+    num_experts_per_tok=2,
+    num_dense_layers=2,
+    routed_scaling_factor=1.5,
+    num_hidden_layers=5,
+    layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    conv_L_cache=3,
+    tie_word_embeddings=False,
+)
 PROMPT = torch.randint(3, 256, (150,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-def build(tmp_path, **overrides):
-    """(reference, path): weights re-randomised at O(1) scale so that every layer moves the logits."""
-    ref, path = make_model(tmp_path, "Lfm2ForCausalLM", **{**TINY, **overrides})
+def build(tmp_path, arch="Lfm2ForCausalLM", **overrides):
+    """(reference, path): weights re-randomised at O(1) scale so that every layer moves the logits
+    (and the experts' bias so that it steers the choice)."""
+    ref, path = make_model(tmp_path, arch, **{**(MOE if arch == "Lfm2MoeForCausalLM" else TINY), **overrides})
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -50,6 +69,9 @@ def build(tmp_path, **overrides):
                 p.copy_(0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * (0.5 if ".conv.conv" in name else p.shape[-1] ** -0.5))
+        for name, b in ref.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
     ref.save_pretrained(path)
     return ref, path
 
@@ -57,6 +79,28 @@ def build(tmp_path, **overrides):
 @pytest.fixture(scope="module")
 def lfm2(tmp_path_factory):
     return build(tmp_path_factory.mktemp("lfm2"))
+
+
+@pytest.fixture(scope="module")
+def lfm2_moe(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("lfm2-moe"), "Lfm2MoeForCausalLM")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_moe_logits_and_greedy_tokens_match_transformers(tmp_path, bias):
+    ref, path = build(tmp_path, "Lfm2MoeForCausalLM", use_expert_bias=bias)
+    with torch.no_grad():
+        expected = ref(torch.tensor([PROMPT]), use_cache=False).logits[0]
+    llm = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, max_num_batched_tokens=37)
+    got = llm.prompt_logits({"prompt_token_ids": PROMPT})
+    assert (got - expected).abs().max() / expected.abs().max() < 1e-4
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    new = llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids
+    with torch.no_grad():
+        logits = ref(torch.tensor([PROMPT + new]), use_cache=False).logits[0]
+    assert new == logits[len(PROMPT) - 1 : -1].argmax(-1).tolist()
+    assert llm.engine.model.fused_decoder is not None
+    assert llm.engine.kv.all_free()
 
 
 def test_kv_spec_pages_attention_and_keeps_the_conv_window(lfm2):

@@ -106,3 +106,59 @@ def test_a_running_requests_rolling_checkpoint_evicted_under_it_is_not_freed_twi
     assert kv.find_cached_prefix("u", t_tokens + [1]).num_tokens == 12
     kv.free("r")
     assert kv.all_free()
+
+
+def test_a_checkpoint_superseded_on_its_path_is_evicted_first_unless_several_requests_used_it():
+    """A chat with a shared system prompt: the prompt's end is resumed by two conversations and
+    stays; each conversation's grid checkpoint, superseded by its own turn's end, goes first."""
+    kv = KVManager(hybrid(), [256], num_state_slots=2, num_checkpoints=5, checkpoint_interval=8)
+    system = list(range(100, 116))  # 16 tokens: its checkpoint at 16 (the grid's and the last boundary)
+    assert [p for p, _ in _run(kv, "warm", system + [0])] == [8, 16]
+    conversations = {}
+    for name, start in (("a", 200), ("b", 300)):
+        prompt = system + list(range(start, start + 13))  # 29 tokens: 24 on the grid, 28 the last boundary
+        hit = kv.find_cached_prefix(name, prompt)
+        assert hit.num_tokens == 16  # both resume from the system prompt's end
+        assert kv.allocate_slots(name, prompt, 0, len(prompt) - 16, num_cached_tokens=16)
+        kv.pop_restore(name)
+        assert [p for p, _ in kv.pending_snapshots[name]] == [24, 28]
+        kv.cache_blocks(name, prompt, len(prompt))
+        kv.free(name)
+        conversations[name] = prompt
+    # five checkpoints: 8, 16 (used twice), a's 24 (superseded by its 28) and 28, b's 24 and 28 are
+    # six; the pool holds five, so one went: the least recently used of the superseded, 8 or a's 24
+    pool = kv.checkpoints
+    held = sorted(pool.entries[c].num_tokens for c in pool.hash_to_id.values())
+    assert held.count(16) == 1 and held.count(28) == 2
+    # a third conversation evicts another superseded one, never a turn's end or the shared prompt
+    third = system + list(range(400, 413))
+    assert kv.find_cached_prefix("c", third).num_tokens == 16
+    assert kv.allocate_slots("c", third, 0, len(third) - 16, num_cached_tokens=16)
+    kv.pop_restore("c")
+    kv.cache_blocks("c", third, len(third))
+    kv.free("c")
+    for name, prompt in conversations.items():  # each next turn still resumes at its previous end
+        assert kv.find_cached_prefix(name + "2", prompt + [5, 5, 5]).num_tokens == 28
+    assert kv.find_cached_prefix("d", system + [9] * 5).num_tokens == 16
+    assert kv.all_free()
+
+
+def test_a_decodes_rolling_checkpoint_does_not_push_out_its_prompts_end():
+    """The next turn of a chat may carry another reply than the one generated (a client holding the
+    history): it resumes at the prompt's last boundary, which the decode's rolling checkpoint past
+    it must not put first in line for eviction."""
+    kv = KVManager(hybrid(), [256], num_state_slots=2, num_checkpoints=3, checkpoint_interval=0)
+    prompt = list(range(100, 113))  # its last boundary: 12
+    assert kv.allocate_slots("a", prompt, 0, 13)
+    kv.cache_blocks("a", prompt, 13)
+    tokens = list(prompt)
+    for t in range(4):  # decode to 17: a rolling checkpoint at 16
+        tokens.append(7)
+        assert kv.allocate_slots("a", tokens, 13 + t, 1)
+        kv.cache_blocks("a", tokens, 14 + t)
+    kv.free("a")
+    _run(kv, "b", list(range(200, 213)))  # a third checkpoint: the pool is full
+    _run(kv, "c", list(range(300, 313)))  # evicts the least recently used: a's rolling one at 16
+    assert kv.find_cached_prefix("a2", prompt + [9] * 5).num_tokens == 12
+    assert kv.find_cached_prefix("a3", tokens + [9]).num_tokens == 12
+    assert kv.all_free()

@@ -129,11 +129,16 @@ class Checkpoint:
     prefix_hashes: tuple[bytes, ...] = ()  # the block hashes it makes resumable
     pins: int = 0  # restores not yet applied
     owner: str | None = None  # a request's rolling end-of-sequence checkpoint
+    uses: int = 0  # the times a request resumed from it or passed it after the one that took it
 
 
 @dataclass
 class CheckpointPool:
-    """Vacant ids, reserved ids (being written by a forward pass), published ones in LRU order."""
+    """Vacant ids, reserved ids (being written by a forward pass), published ones in eviction order:
+    least recently used first, except that one a later checkpoint on the same path supersedes goes
+    to the front unless more than one request has used it: a chat's grid checkpoints and its
+    previous turn's end once the next turn's end is kept, not a system prompt's that several
+    conversations resume from."""
 
     num_checkpoints: int
     entries: list[Checkpoint] = field(init=False)
@@ -167,8 +172,12 @@ class CheckpointPool:
         self._forget(entry)
         return cid, evicted
 
-    def publish(self, cid: int, block_hash: bytes, num_tokens: int, prefix_hashes: tuple[bytes, ...]) -> bool:
-        """Make a reserved id findable; False (and the id is freed) when that prefix already has one."""
+    def publish(
+        self, cid: int, block_hash: bytes, num_tokens: int, prefix_hashes: tuple[bytes, ...], supersedes: bool = True
+    ) -> bool:
+        """Make a reserved id findable; False (and the id is freed) when that prefix already has one.
+        `supersedes`: it puts the checkpoints before it on its path first in line for eviction (not
+        a decode's rolling one: a chat's next turn may carry another reply than the one generated)."""
         if block_hash in self.hash_to_id:
             self.free(cid)
             return False
@@ -176,14 +185,23 @@ class CheckpointPool:
         entry.block_hash, entry.num_tokens, entry.prefix_hashes = block_hash, num_tokens, prefix_hashes
         self.hash_to_id[block_hash] = cid
         self.lru[cid] = None
+        for h in prefix_hashes[:-1] if supersedes else ():  # unless several requests used them
+            ancestor = self.hash_to_id.get(h)
+            if ancestor is not None and ancestor in self.lru and self.entries[ancestor].uses <= 1:
+                self.lru.move_to_end(ancestor, last=False)
         return True
 
-    def touch(self, cid: int) -> None:
+    def touch(self, cid: int, used: bool = True) -> None:
+        """Most recently used: another request passed it (`used`), or it ages with a checkpoint
+        taken after it on the same request (a prompt's end beside its decode's rolling one)."""
+        self.entries[cid].uses += used
         if cid in self.lru:
             self.lru.move_to_end(cid)
 
     def pin(self, cid: int) -> None:
+        """A request resumes from it (until unpinned)."""
         self.entries[cid].pins += 1
+        self.entries[cid].uses += 1
         self.lru.pop(cid, None)
 
     def unpin(self, cid: int) -> None:
@@ -205,3 +223,4 @@ class CheckpointPool:
         if entry.block_hash is not None and self.hash_to_id.get(entry.block_hash) == entry.checkpoint_id:
             del self.hash_to_id[entry.block_hash]
         entry.block_hash, entry.num_tokens, entry.prefix_hashes, entry.pins, entry.owner = None, 0, (), 0, None
+        entry.uses = 0

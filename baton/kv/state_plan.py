@@ -132,7 +132,8 @@ class StateCheckpointing:
         return cid
 
     def _publish_checkpoint(self, request_id: str, cid: int, prefix_hashes: list[bytes], num_tokens: int) -> bool:
-        if not self.checkpoints.publish(cid, prefix_hashes[-1], num_tokens, tuple(prefix_hashes)):
+        within_prompt = num_tokens <= self._prompt_boundary.get(request_id, num_tokens)
+        if not self.checkpoints.publish(cid, prefix_hashes[-1], num_tokens, tuple(prefix_hashes), within_prompt):
             return False
         for h in prefix_hashes:
             self._block_uses[h] = self._block_uses.get(h, 0) + 1
@@ -148,10 +149,14 @@ class StateCheckpointing:
             assert num_tokens <= num_computed_tokens, "a snapshot past what the forward computed"
             if not self._publish_checkpoint(request_id, cid, hashes[: num_tokens // self.block_size], num_tokens):
                 continue
-            if num_tokens > self._prompt_boundary.get(request_id, 0):  # past the prompt: keep only the latest
+            boundary = self._prompt_boundary.get(request_id, 0)
+            if num_tokens > boundary:  # past the prompt: keep only the latest
                 previous = self._rolling.get(request_id)
                 self._rolling[request_id] = cid
                 self.checkpoints.entries[cid].owner = request_id
+                at_boundary = self.checkpoints.lookup(hashes[boundary // self.block_size - 1]) if boundary else None
+                if at_boundary is not None:  # the prompt's end ages with it: a next turn may resume at either
+                    self.checkpoints.touch(at_boundary, used=False)
                 if previous is not None and not self.checkpoints.entries[previous].pins:
                     self._release_prefix(self.checkpoints.free(previous))
 

@@ -1,6 +1,7 @@
 """LFM2 (Liquid): short gated convolutions (in_proj into B, C, x; y = C * conv(B * x), a depthwise
 causal conv of a few taps, its window the layer's whole state) beside GQA attention layers with
-q/k norms; a SwiGLU MLP after each; the final norm is checkpointed as `embedding_norm`."""
+q/k norms; a SwiGLU MLP after each; the final norm is checkpointed as `embedding_norm`. LFM2-MoE:
+after `num_dense_layers` dense ones, sigmoid-routed experts (an expert bias steering the choice)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from torch import nn
 
 from baton.kv.spec import LayerKind
 from baton.models.fused_decode import DecodeBlock, StepBinding, linear_args, mixer_mlp_blocks, packed_only
-from baton.models.gguf_arch import GGUFArch, GGUFMetadata, Value, base_config, reshaped, uniform
+from baton.models.gguf_arch import GGUFArch, GGUFMetadata, Value, base_config, experts, reshaped, uniform
 from baton.models.layers import RMSNorm, unwrapped
 from baton.models.llama import Attention, ForwardContext, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
-from baton.models.moe import MLP
+from baton.models.moe import MLP, GroupedSigmoidMoE
 from baton.models.recurrent import conv_over_segments, segments
 from baton.ops import ops
 
@@ -96,6 +97,26 @@ class ShortConv(nn.Module):
         )
 
 
+def feed_forward(cfg: TextModelConfig, layer_id: int) -> nn.Module:
+    """LFM2's MLP (its width adjusted as ff_dim says), or LFM2-MoE's: dense (intermediate_size as it
+    is) before num_dense_layers, experts after."""
+    hf = cfg.hf
+    if "num_experts" not in hf:
+        return MLP(cfg.hidden_size, ff_dim(hf))
+    if layer_id < int(hf.get("num_dense_layers", 0)):
+        return MLP(cfg.hidden_size, cfg.intermediate_size)
+    return GroupedSigmoidMoE(
+        cfg.hidden_size,
+        int(hf["moe_intermediate_size"]),
+        0,
+        num_experts=int(hf["num_experts"]),
+        top_k=int(hf["num_experts_per_tok"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        norm_eps=1e-6,
+    )
+
+
 class Lfm2DecoderLayer(nn.Module):
     def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -105,7 +126,7 @@ class Lfm2DecoderLayer(nn.Module):
             self.conv = ShortConv(cfg.hidden_size, layer_id, conv_kernel(hf), bool(hf.get("conv_bias", False)))
         else:
             self.self_attn = Attention(cfg, layer_id)
-        self.feed_forward = MLP(cfg.hidden_size, ff_dim(hf))
+        self.feed_forward: nn.Module = feed_forward(cfg, layer_id)
         self.operator_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -128,7 +149,8 @@ _RENAMED = {
     ".self_attn.o_proj.": ".self_attn.out_proj.",
     ".self_attn.q_norm.": ".self_attn.q_layernorm.",
     ".self_attn.k_norm.": ".self_attn.k_layernorm.",
-    ".feed_forward.down_proj.": ".feed_forward.w2.",
+    ".down_proj.": ".w2.",  # the dense MLP's and each expert's
+    ".feed_forward.gate.e_score_correction_bias": ".feed_forward.expert_bias",
 }
 
 
@@ -144,7 +166,7 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     layer_kinds_from = staticmethod(layer_kinds)
     _UNFUSED = {
         "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        "feed_forward.gate_up_proj": ("feed_forward.w1", "feed_forward.w3"),
+        "gate_up_proj": ("w1", "w3"),  # the dense MLP's and each expert's
     }
 
     def __init__(self, cfg: TextModelConfig) -> None:
@@ -169,7 +191,17 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
         return super()._shard_rows(fused, param)
 
     def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {_rename(n, _RENAMED): shape for n, shape in super().hf_weight_shapes().items()}
+        shapes = {_rename(n, _RENAMED): shape for n, shape in super().hf_weight_shapes().items()}
+        if not self.cfg.hf.get("use_expert_bias", True):  # none in the checkpoint: zeros steer nothing
+            shapes = {n: s for n, s in shapes.items() if not n.endswith(".expert_bias")}
+        return shapes
+
+    def finish_loading(self) -> None:
+        super().finish_loading()
+        if not self.cfg.hf.get("use_expert_bias", True):  # no tensor came for it: zeros, which steer nothing
+            for layer in self.layers:
+                if isinstance(layer.feed_forward, GroupedSigmoidMoE):
+                    layer.feed_forward.gate.e_score_correction_bias.data.zero_()
 
     def load_weight(self, hf_name: str, tensor) -> None:
         super().load_weight(_rename(hf_name, {new: old for old, new in _RENAMED.items()}), tensor)
@@ -178,10 +210,10 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
 # ---- GGUF: llama.cpp's lfm2 files ----------------------------------------------------------------
 
 
-def _gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
+def _gguf_config(meta: GGUFMetadata, architecture: str = "Lfm2ForCausalLM") -> dict[str, Any]:
     """A layer is a short conv exactly where its attention.head_count_kv is 0 (llama.cpp's rule),
     checked against its tensors; feed_forward_length is the MLP's width as used."""
-    cfg = base_config(meta, "Lfm2ForCausalLM")
+    cfg = base_config(meta, architecture)
     n = cfg["num_hidden_layers"]
     kv = meta.per_layer("attention.head_count_kv", meta.integer("block_count"))[:n]
     types = []
@@ -201,12 +233,28 @@ def _gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
         intermediate_size=meta.integer("feed_forward_length"),
         block_auto_adjust_ff_dim=False,
     )
+    if architecture == "Lfm2MoeForCausalLM":
+        if meta.get("expert_gating_func", 2) != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+            raise ValueError(f"{meta.where}: lfm2moe experts gated by {meta.get('expert_gating_func')}, not sigmoid")
+        cfg.update(
+            num_experts=meta.integer("expert_count"),
+            num_experts_per_tok=meta.integer("expert_used_count"),
+            moe_intermediate_size=meta.integer("expert_feed_forward_length"),
+            num_dense_layers=meta.integer("leading_dense_block_count", 0),
+            norm_topk_prob=bool(meta.get("expert_weights_norm", True)),
+            routed_scaling_factor=meta.real("expert_weights_scale", 1.0) or 1.0,
+            use_expert_bias=any(meta.block_has(i, "exp_probs_b.bias") for i in range(n)),
+        )
     return cfg
 
 
 def _gguf_transform(hf_name: str, value: Value, meta: GGUFMetadata):
     if hf_name.endswith(".conv.conv.weight"):  # stored squeezed [C, K]
         value = reshaped(value, value.shape[0], 1, -1)
+    elif ".experts." in hf_name:  # stacked [experts, N, K]
+        for e, expert in enumerate(experts(value, meta.integer("expert_count"))):
+            yield hf_name.replace(".experts.", f".experts.{e}."), expert
+        return
     yield hf_name, value
 
 
@@ -228,16 +276,25 @@ _GGUF_NAMES = {
         for kind in ("weight", "bias")
     },
 }
+_GGUF_EXPERT_NAMES = {
+    "ffn_gate_inp.weight": "feed_forward.gate.weight",
+    "exp_probs_b.bias": "feed_forward.expert_bias",
+    "ffn_gate_exps.weight": "feed_forward.experts.w1.weight",
+    "ffn_up_exps.weight": "feed_forward.experts.w3.weight",
+    "ffn_down_exps.weight": "feed_forward.experts.w2.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "token_embd_norm.weight": "model.embedding_norm.weight",  # the final norm (llama.cpp's name)
+    "output.weight": "lm_head.weight",
+}
 GGUF_ARCHS = {
-    "lfm2": GGUFArch(
-        "Lfm2ForCausalLM",
-        _gguf_config,
-        _GGUF_NAMES,
-        {
-            "token_embd.weight": "model.embed_tokens.weight",
-            "token_embd_norm.weight": "model.embedding_norm.weight",  # the final norm (llama.cpp's name)
-            "output.weight": "lm_head.weight",
-        },
+    "lfm2": GGUFArch("Lfm2ForCausalLM", _gguf_config, _GGUF_NAMES, _GLOBAL_NAMES, transform=_gguf_transform),
+    "lfm2moe": GGUFArch(
+        "Lfm2MoeForCausalLM",
+        lambda meta: _gguf_config(meta, "Lfm2MoeForCausalLM"),
+        {**_GGUF_NAMES, **_GGUF_EXPERT_NAMES},
+        _GLOBAL_NAMES,
         transform=_gguf_transform,
-    )
+    ),
 }

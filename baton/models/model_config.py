@@ -168,7 +168,7 @@ def parse_hf_config(
         else _layer_kinds(cfg, num_layers, 6 if is_gemma3 else None),
         rope=rope,
         attention_bias=bool(cfg.get("attention_bias", architecture == "Qwen2ForCausalLM")),
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Lfm2ForCausalLM"),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM"),
         hidden_act=act,
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256 if is_gemma3 else None),
         attn_logit_softcapping=cfg.get("attn_logit_softcapping"),

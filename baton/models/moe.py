@@ -149,8 +149,9 @@ class SigmoidRouter(nn.Module):
     """DeepSeek-V3-style router (Kimi Linear): sigmoid scores; a per-expert correction bias that
     steers the selection only; experts chosen within the `topk_group` best of `n_group` contiguous
     groups (a group scores the sum of its two best biased scores); weights are the unbiased scores
-    of the chosen experts, renormalized when `norm_topk_prob`, times `routed_scaling_factor`.
-    Its weights stay plain parameters (never packed): routing runs in float32 like transformers'."""
+    of the chosen experts, renormalized when `norm_topk_prob` (sum + `norm_eps`: DeepSeek's 1e-20,
+    LFM2-MoE's 1e-6), times `routed_scaling_factor`. Its weights stay plain parameters (never
+    packed): routing runs in float32 like transformers'."""
 
     def __init__(
         self,
@@ -161,6 +162,7 @@ class SigmoidRouter(nn.Module):
         topk_group: int = 1,
         norm_topk_prob: bool = True,
         routed_scaling_factor: float = 1.0,
+        norm_eps: float = 1e-20,
     ) -> None:
         super().__init__()
         if n_group > 1 and (num_experts % n_group or num_experts // n_group < 2):
@@ -168,6 +170,7 @@ class SigmoidRouter(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        self.norm_eps = norm_eps
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
 
@@ -182,6 +185,7 @@ class SigmoidRouter(nn.Module):
             "topk_group": self.topk_group,
             "norm_topk_prob": self.norm_topk_prob,
             "routed_scaling_factor": self.routed_scaling_factor,
+            "router_norm_eps": self.norm_eps,
         }
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +201,7 @@ class SigmoidRouter(nn.Module):
         ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)
         return weights * self.routed_scaling_factor, ids
 
 

@@ -33,6 +33,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Lfm2MoeForCausalLM": Lfm2ForCausalLM,  # the same program with experts after the dense layers
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,

@@ -58,7 +58,7 @@ struct SigmoidRouter {
   torch::Tensor correction_bias;  // [experts]
   int64_t top_k = 1, n_group = 1, topk_group = 1;
   bool norm_topk = true;
-  double scaling = 1.0;
+  double scaling = 1.0, norm_eps = 1e-20;  // weights / (sum + norm_eps)
 };
 
 void check_sigmoid_router(const SigmoidRouter& r, int64_t hidden) {
@@ -89,7 +89,7 @@ MoeRouting sigmoid_route(const torch::Tensor& x, const SigmoidRouter& r) {
   }
   const torch::Tensor ids = std::get<1>(at::topk(choice, r.top_k, -1, true, false)).contiguous();
   torch::Tensor weights = scores.gather(1, ids);
-  if (r.norm_topk) weights = weights / (weights.sum(-1, true) + 1e-20);
+  if (r.norm_topk) weights = weights / (weights.sum(-1, true) + r.norm_eps);
   weights = (weights * r.scaling).contiguous();
   MoeRouting routing{r.top_k, std::vector<int64_t>(t * r.top_k), std::vector<float>(t * r.top_k)};
   std::memcpy(routing.ids.data(), ids.data_ptr<int64_t>(), t * r.top_k * sizeof(int64_t));
@@ -123,7 +123,7 @@ class MoeStep : public LayerStep {
     } else {
       sigmoid_ = SigmoidRouter{a.tensor("router_weight"), a.tensor("correction_bias"), top_k,
                                a.integer("n_group"), a.integer("topk_group"), norm_topk,
-                               a.real("routed_scaling_factor")};
+                               a.real("routed_scaling_factor"), a.real("router_norm_eps")};
       check_sigmoid_router(sigmoid_, hidden_);
       TORCH_CHECK(sigmoid_.weight.size(0) == n, "one expert per router row: ", n, " experts for ",
                   sigmoid_.weight.size(0), " rows");
