@@ -175,6 +175,23 @@ def uniform(meta: GGUFMetadata, key: str, num_layers: int, hf_key: str, cfg: dic
         cfg[hf_key] = values.pop()
 
 
+def attention_layers(meta: GGUFMetadata, num_layers: int, recurrent_tensor: str) -> list[bool]:
+    """Whether each layer is attention rather than recurrent: attention exactly where its
+    attention.head_count_kv is not 0 (llama.cpp's rule), checked against the tensors its block
+    holds (attn_q.weight, or `recurrent_tensor`, never both)."""
+    kv = meta.per_layer("attention.head_count_kv", meta.integer("block_count"))[:num_layers]
+    kinds = []
+    for i in range(num_layers):
+        recurrent, attention = meta.block_has(i, recurrent_tensor), meta.block_has(i, "attn_q.weight")
+        if recurrent == attention or attention != bool(kv[i]):
+            raise ValueError(
+                f"{meta.where}: block {i} holds {'both mixers' if recurrent else 'no mixer'} or its tensors "
+                f"disagree with attention.head_count_kv ({kv[i]})"
+            )
+        kinds.append(attention)
+    return kinds
+
+
 # ---- transforms on any of the three kinds of value ------------------------------------------------
 
 
@@ -217,6 +234,13 @@ def experts(value: Value, count: int) -> list[Value]:
     if value.dim() != 3 or value.shape[0] != count:
         raise ValueError(f"expected {count} stacked experts, got shape {list(value.shape)}")
     return list(value.unbind(0))
+
+
+def each_expert(hf_name: str, value: Value, meta: GGUFMetadata) -> Iterator[tuple[str, Value]]:
+    """A stacked ffn_*_exps tensor read under `...experts.<part>` as each expert's
+    `...experts.<e>.<part>`."""
+    for e, expert in enumerate(experts(value, meta.integer("expert_count"))):
+        yield hf_name.replace(".experts.", f".experts.{e}."), expert
 
 
 def float_op(value: Value, op: Callable[[torch.Tensor], torch.Tensor]) -> Value:

@@ -24,6 +24,7 @@ from baton.models.model_config import TextModelConfig
 from baton.models.moe import MLP, SparseMoE
 from baton.models.qwen3_next import partial_rotary
 from baton.models.rope import Rotary
+from baton.models.weight_map import renamed
 
 # transformers 5's layer type names, then IBM's checkpoints'
 _TYPES = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention"}
@@ -165,17 +166,6 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embedding_multiplier
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed(input_ids)
-        rope = {"full": self.rotary["full"](positions, x.dtype)}
-        one_token_rows = ctx.state_meta is None or all(s.q_end - s.q_start == 1 for s in ctx.state_meta.seqs)
-        if ctx.decode_only and one_token_rows and self._fused_decoder_for(ctx.storage, ctx.states) is not None:
-            return self.fused_decoder(x, rope, ctx)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, ctx)
-        return self.norm(x, residual)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.logits_scaling
 
@@ -265,13 +255,6 @@ _BAMBA_NAMES = {
 }
 
 
-def _renamed(name: str, table: dict[str, str]) -> str:
-    for old, new in table.items():
-        if old in name:
-            return name.replace(old, new, 1)
-    return name
-
-
 class BambaForCausalLM(GraniteMoeHybridForCausalLM):
     layer_kinds_from = staticmethod(lambda hf: layer_kinds(bamba_config(hf)))
 
@@ -279,10 +262,10 @@ class BambaForCausalLM(GraniteMoeHybridForCausalLM):
         super().__init__(dataclasses.replace(cfg, hf=bamba_config(cfg.hf)))
 
     def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {_renamed(n, _BAMBA_NAMES): shape for n, shape in self.gguf_weight_shapes().items()}
+        return {renamed(n, _BAMBA_NAMES): shape for n, shape in self.gguf_weight_shapes().items()}
 
     def load_weight(self, hf_name: str, tensor: torch.Tensor | BlockTensor) -> None:
-        LlamaForCausalLM.load_weight(self, _renamed(hf_name, {v: k for k, v in _BAMBA_NAMES.items()}), tensor)
+        LlamaForCausalLM.load_weight(self, renamed(hf_name, {v: k for k, v in _BAMBA_NAMES.items()}), tensor)
 
 
 def _layer(hf_name: str) -> int:

@@ -6,21 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from baton.models.gguf_arch import (
     ATTENTION_NAMES,
     MLP_NAMES,
     GGUFArch,
     GGUFMetadata,
     Value,
+    attention_layers,
     base_config,
-    experts,
-    float_op,
-    reshaped,
-    take_rows,
+    each_expert,
     uniform,
 )
+from baton.models.llama import rope_rows_unpermuted
+from baton.models.mamba2 import gguf_undone
 
 
 def _gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
@@ -29,17 +27,7 @@ def _gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
     and the attention scale llama.cpp's 1/sqrt(head_dim)); rotary where rope.scaling.finetuned."""
     cfg = base_config(meta, "GraniteMoeHybridForCausalLM")
     n = cfg["num_hidden_layers"]
-    kv = meta.per_layer("attention.head_count_kv", meta.integer("block_count"))[:n]
-    types = []
-    for i in range(n):
-        mamba, attention = meta.block_has(i, "ssm_in.weight"), meta.block_has(i, "attn_q.weight")
-        if mamba == attention or attention != bool(kv[i]):
-            raise ValueError(
-                f"{meta.where}: block {i} holds {'both mixers' if mamba and attention else 'no mixer'} or its "
-                f"tensors disagree with attention.head_count_kv ({kv[i]})"
-            )
-        types.append("attention" if attention else "mamba")
-    cfg["layer_types"] = types
+    cfg["layer_types"] = ["attention" if a else "mamba" for a in attention_layers(meta, n, "ssm_in.weight")]
     uniform(meta, "attention.head_count_kv", n, "num_key_value_heads", cfg)
     heads, inner = meta.integer("ssm.time_step_rank"), meta.integer("ssm.inner_size")
     if heads < 1 or inner % heads:
@@ -85,27 +73,13 @@ def _gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
 
 def _gguf_transform(hf_name: str, value: Value, meta: GGUFMetadata):
     """The converter's changes undone: q and k rows back from llama.cpp's interleaved-rope order
-    (it permutes them whether or not the model uses rotary), ssm_a as -exp(A_log), A and D as
-    vectors, the gated norm flat, the conv kernel [C, 1, K], experts one by one."""
-    if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-        heads = meta.integer("attention.head_count")
-        if "k_proj" in hf_name:
-            kv = meta.per_layer("attention.head_count_kv", meta.integer("block_count"))
-            heads = int(kv[int(hf_name.split(".")[2])])
-        rows = value.shape[0]
-        half = rows // heads // 2
-        value = take_rows(value, torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows))
-    elif hf_name.endswith(".mamba.A_log"):
-        value = float_op(value, lambda t: torch.log(-t).reshape(-1))
-    elif hf_name.endswith((".mamba.D", ".mamba.norm.weight")):
-        value = reshaped(value, -1)
-    elif hf_name.endswith(".mamba.conv1d.weight"):
-        value = reshaped(value, value.shape[0], 1, -1)
-    elif ".experts." in hf_name:
-        for e, expert in enumerate(experts(value, meta.integer("expert_count"))):
-            yield hf_name.replace(".experts.", f".experts.{e}."), expert
+    (it permutes them whether or not the model uses rotary), the Mamba2 mixers'
+    (mamba2.gguf_undone), experts one by one."""
+    if ".experts." in hf_name:
+        yield from each_expert(hf_name, value, meta)
         return
-    yield hf_name, value
+    value = rope_rows_unpermuted(hf_name, value, meta)
+    yield hf_name, gguf_undone(hf_name.split(".mamba.", 1)[1], value) if ".mamba." in hf_name else value
 
 
 _GGUF_NAMES = {

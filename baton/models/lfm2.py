@@ -12,12 +12,22 @@ from torch import nn
 
 from baton.kv.spec import LayerKind
 from baton.models.fused_decode import DecodeBlock, StepBinding, linear_args, mixer_mlp_blocks, packed_only
-from baton.models.gguf_arch import GGUFArch, GGUFMetadata, Value, base_config, experts, reshaped, uniform
+from baton.models.gguf_arch import (
+    GGUFArch,
+    GGUFMetadata,
+    Value,
+    attention_layers,
+    base_config,
+    each_expert,
+    reshaped,
+    uniform,
+)
 from baton.models.layers import RMSNorm, unwrapped
 from baton.models.llama import Attention, ForwardContext, LlamaForCausalLM
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import MLP, GroupedSigmoidMoE
 from baton.models.recurrent import conv_over_segments, segments
+from baton.models.weight_map import renamed
 from baton.ops import ops
 
 
@@ -154,13 +164,6 @@ _RENAMED = {
 }
 
 
-def _rename(name: str, table: dict[str, str]) -> str:
-    for old, new in table.items():
-        if old in name:
-            return name.replace(old, new, 1)
-    return name
-
-
 class Lfm2ForCausalLM(LlamaForCausalLM):
     layer_cls = Lfm2DecoderLayer
     layer_kinds_from = staticmethod(layer_kinds)
@@ -174,24 +177,13 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
         self.rotary = nn.ModuleDict({k: r for k, r in self.rotary.items() if k == "full"})
         self.layer_kinds = ["full"]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed(input_ids)
-        rope = {"full": self.rotary["full"](positions, x.dtype)}
-        one_token_rows = ctx.state_meta is None or all(s.q_end - s.q_start == 1 for s in ctx.state_meta.seqs)
-        if ctx.decode_only and one_token_rows and self._fused_decoder_for(ctx.storage, ctx.states) is not None:
-            return self.fused_decoder(x, rope, ctx)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, ctx)
-        return self.norm(x, residual)
-
     def _shard_rows(self, fused: str, param: str) -> list[int]:
         if fused.endswith("gate_up_proj"):
             return [self.get_parameter(param).shape[0] // 2] * 2
         return super()._shard_rows(fused, param)
 
     def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = {_rename(n, _RENAMED): shape for n, shape in super().hf_weight_shapes().items()}
+        shapes = {renamed(n, _RENAMED): shape for n, shape in super().hf_weight_shapes().items()}
         if not self.cfg.hf.get("use_expert_bias", True):  # none in the checkpoint: zeros steer nothing
             shapes = {n: s for n, s in shapes.items() if not n.endswith(".expert_bias")}
         return shapes
@@ -204,7 +196,7 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
                     layer.feed_forward.gate.e_score_correction_bias.data.zero_()
 
     def load_weight(self, hf_name: str, tensor) -> None:
-        super().load_weight(_rename(hf_name, {new: old for old, new in _RENAMED.items()}), tensor)
+        super().load_weight(renamed(hf_name, {new: old for old, new in _RENAMED.items()}), tensor)
 
 
 # ---- GGUF: llama.cpp's lfm2 files ----------------------------------------------------------------
@@ -215,16 +207,8 @@ def _gguf_config(meta: GGUFMetadata, architecture: str = "Lfm2ForCausalLM") -> d
     checked against its tensors; feed_forward_length is the MLP's width as used."""
     cfg = base_config(meta, architecture)
     n = cfg["num_hidden_layers"]
-    kv = meta.per_layer("attention.head_count_kv", meta.integer("block_count"))[:n]
-    types = []
-    for i in range(n):
-        conv, attention = meta.block_has(i, "shortconv.in_proj.weight"), meta.block_has(i, "attn_q.weight")
-        if conv == attention or attention != bool(kv[i]):
-            raise ValueError(
-                f"{meta.where}: block {i} holds {'both mixers' if conv else 'no mixer'} or its tensors "
-                f"disagree with attention.head_count_kv ({kv[i]})"
-            )
-        types.append("full_attention" if attention else "conv")
+    attention = attention_layers(meta, n, "shortconv.in_proj.weight")
+    types = ["full_attention" if a else "conv" for a in attention]
     uniform(meta, "attention.head_count_kv", n, "num_key_value_heads", cfg)
     cfg.update(
         layer_types=types,
@@ -252,8 +236,7 @@ def _gguf_transform(hf_name: str, value: Value, meta: GGUFMetadata):
     if hf_name.endswith(".conv.conv.weight"):  # stored squeezed [C, K]
         value = reshaped(value, value.shape[0], 1, -1)
     elif ".experts." in hf_name:  # stacked [experts, N, K]
-        for e, expert in enumerate(experts(value, meta.integer("expert_count"))):
-            yield hf_name.replace(".experts.", f".experts.{e}."), expert
+        yield from each_expert(hf_name, value, meta)
         return
     yield hf_name, value
 

@@ -170,7 +170,9 @@ class LlamaForCausalLM(FusedDecoding, nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed(input_ids)
         rope = {kind: self.rotary[kind](positions, x.dtype) for kind in self.layer_kinds}
-        if ctx.decode_only and self._fused_decoder_for(ctx.storage) is not None:
+        # a recurrent hybrid's rows must each be one token too (a verified draft's are not)
+        one_token_rows = ctx.state_meta is None or all(s.q_end - s.q_start == 1 for s in ctx.state_meta.seqs)
+        if ctx.decode_only and one_token_rows and self._fused_decoder_for(ctx.storage, ctx.states) is not None:
             return self.fused_decoder(x, rope, ctx)
         residual = None
         for layer in self.layers:
@@ -260,16 +262,25 @@ def llama_gguf_config(meta: GGUFMetadata, architecture: str) -> dict:
     return cfg
 
 
-def _unpermute_rope(hf_name: str, value: Value, meta: GGUFMetadata):
-    """llama.cpp stores Llama's q and k rows in interleaved-rope order: back to HF's rotate-half."""
-    if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-        heads = meta.integer("attention.head_count")
-        if "k_proj" in hf_name:
+def rope_rows_unpermuted(hf_name: str, value: Value, meta: GGUFMetadata) -> Value:
+    """llama.cpp's converter stores Llama-style q and k rows in interleaved-rope order: back to HF's
+    rotate-half (other tensors as they are). A per-layer head_count_kv is read at the tensor's layer."""
+    if not hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        return value
+    heads = meta.integer("attention.head_count")
+    if "k_proj" in hf_name:
+        if isinstance(meta.get("attention.head_count_kv"), list):
+            per_layer = meta.per_layer("attention.head_count_kv", meta.integer("block_count"))
+            heads = int(per_layer[int(hf_name.split(".")[2])])
+        else:
             heads = meta.integer("attention.head_count_kv", heads)
-        n = value.shape[0]
-        dim = n // heads // 2
-        value = take_rows(value, torch.arange(n).view(heads, dim, 2).transpose(1, 2).reshape(n))
-    yield hf_name, value
+    n = value.shape[0]
+    dim = n // heads // 2
+    return take_rows(value, torch.arange(n).view(heads, dim, 2).transpose(1, 2).reshape(n))
+
+
+def _unpermute_rope(hf_name: str, value: Value, meta: GGUFMetadata):
+    yield hf_name, rope_rows_unpermuted(hf_name, value, meta)
 
 
 _LLAMA_NAMES = {**ATTENTION_NAMES, **MLP_NAMES}

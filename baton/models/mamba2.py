@@ -16,6 +16,7 @@ from torch import nn
 
 from baton.kv.spec import LayerKind
 from baton.models.fused_decode import StepBinding, linear_args, packed_only, state_args
+from baton.models.gguf_arch import Value, float_op, reshaped
 from baton.models.layers import unwrapped
 from baton.models.llama import ForwardContext
 from baton.models.recurrent import conv_over_segments, scan_over_segments, segments
@@ -47,6 +48,19 @@ class Mamba2Dims:
         """The state a layer keeps per request: the conv's last K - 1 inputs and h [heads, N, P]."""
         conv_dim = self.heads * self.head_dim + 2 * self.groups * self.state_size
         return LayerKind.recurrent((conv_dim, self.conv_kernel - 1), (self.heads, self.state_size, self.head_dim))
+
+
+def gguf_undone(part: str, value: Value) -> Value:
+    """A Mamba2 mixer's tensor `part` (A_log, D, norm.weight, conv1d.weight, ...) as llama.cpp's
+    converter wrote it, back in HF's shape: ssm_a stored as -exp(A_log), A and D as columns, the
+    gated norm as [groups, inner / groups], the conv kernel squeezed."""
+    if part == "A_log":
+        return float_op(value, lambda t: torch.log(-t).reshape(-1))
+    if part in ("D", "norm.weight"):
+        return reshaped(value, -1)
+    if part == "conv1d.weight":
+        return reshaped(value, value.shape[0], 1, -1)
+    return value
 
 
 def time_step_limit(value: object) -> tuple[float, float]:

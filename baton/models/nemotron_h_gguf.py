@@ -5,19 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from baton.models.gguf_arch import (
     ATTENTION_NAMES,
     GGUFArch,
     GGUFMetadata,
     Value,
     base_config,
-    experts,
-    float_op,
-    reshaped,
+    each_expert,
     uniform,
 )
+from baton.models.mamba2 import gguf_undone
 
 
 def _gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
@@ -78,19 +75,11 @@ _MIXER_TENSORS = {"M": "ssm_in.weight", "*": "attn_q.weight", "E": "ffn_gate_inp
 
 
 def _gguf_transform(hf_name: str, value: Value, meta: GGUFMetadata):
-    """The converter's changes undone: ssm_a as -exp(A_log), A and D as columns, the gated norm as
-    [groups, inner / groups], the conv kernel squeezed, experts stacked."""
-    if hf_name.endswith(".mixer.A_log"):
-        value = float_op(value, lambda t: torch.log(-t).reshape(-1))
-    elif hf_name.endswith((".mixer.D", ".mixer.norm.weight")):
-        value = reshaped(value, -1)
-    elif hf_name.endswith(".mixer.conv1d.weight"):
-        value = reshaped(value, value.shape[0], 1, -1)
-    elif ".experts." in hf_name:
-        for e, expert in enumerate(experts(value, meta.integer("expert_count"))):
-            yield hf_name.replace(".experts.", f".experts.{e}."), expert
+    """The converter's changes undone: the Mamba2 mixers' (mamba2.gguf_undone), experts stacked."""
+    if ".experts." in hf_name:
+        yield from each_expert(hf_name, value, meta)
         return
-    yield hf_name, value
+    yield hf_name, gguf_undone(hf_name.split(".mixer.", 1)[-1], value)
 
 
 _GGUF_NAMES = {

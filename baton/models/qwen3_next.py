@@ -220,17 +220,6 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         self.rotary = nn.ModuleDict({"full": Rotary(rope, int(cfg.head_dim * rope.partial_rotary_factor))})
         self.layer_kinds = ["full"]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed(input_ids)
-        rope = {kind: self.rotary[kind](positions, x.dtype) for kind in self.layer_kinds}
-        one_token_rows = ctx.state_meta is None or all(s.q_end - s.q_start == 1 for s in ctx.state_meta.seqs)
-        if ctx.decode_only and one_token_rows and self._fused_decoder_for(ctx.storage, ctx.states) is not None:
-            return self.fused_decoder(x, rope, ctx)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, ctx)
-        return self.norm(x, residual)
-
     _UNFUSED = {"gate_up_proj": ("gate_proj", "up_proj")}  # of the dense MLPs, the experts, the shared expert
 
 

@@ -30,6 +30,15 @@ def kda_parts(hf: str, shape: tuple[int, ...], in_rows: dict[str, int] | None) -
     return None
 
 
+def renamed(name: str, table: dict[str, str]) -> str:
+    """`name` with the first of `table`'s substrings it holds replaced (a family's checkpoint names
+    for what baton's program calls otherwise, or back)."""
+    for old, new in table.items():
+        if old in name:
+            return name.replace(old, new, 1)
+    return name
+
+
 class PartsWeightMap:
     """Mixed into a model class that defines `_hf_parts(name, shape) -> list[Part]`."""
 
