@@ -218,6 +218,39 @@ def test_q8_0_blocks_sit_where_their_float_values_do(files, tmp_path, case):
     assert ints.engine.kv.all_free()
 
 
+def test_gated_deltanet_projections_in_different_formats_stay_blocks(files, tmp_path, monkeypatch):
+    """Q4_K_M writes a Qwen3.5 layer's attn_qkv in one format and its attn_gate (z) in another:
+    both stay blocks in the fused projection (row runs, each on its own kernel), nothing falls back
+    to float32, and the logits are the dequantized file's."""
+    formats = {"attn_qkv": gguf.GGMLQuantizationType.Q8_0, "attn_gate": gguf.GGMLQuantizationType.Q5_0}
+
+    def mixed(name: str, data, stored):
+        qtype = next((q for part, q in formats.items() if f".{part}." in name), None)
+        if qtype is None:
+            return data, list(data.shape), stored
+        return gguf.quants.quantize(data, qtype), list(data.shape), qtype
+
+    path = rewrite(files["qwen35-odd-pattern"][1], tmp_path / "mixed.gguf", tensor=mixed)
+    blocks = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, quant_kernel="float")
+    projections = [m.in_proj_qkvz for m in blocks.engine.model.modules() if hasattr(m, "in_proj_qkvz")]
+    assert projections and all([q.qtype for q in p.parts()] == ["Q8_0", "Q5_0"] for p in projections)
+    dense = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, dtype="float32")
+    a = blocks.prompt_logits({"prompt_token_ids": PROMPTS[1]})
+    b = dense.prompt_logits({"prompt_token_ids": PROMPTS[1]})
+    assert (a - b).abs().max() / b.abs().max() < 1e-3
+    # the one-call decode step takes the parts as they are, with the module path's bits
+    ints = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    fused = ints.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)
+    assert ints.engine.model.fused_decoder is not None and ints.engine.model.fused_decoder.steps >= 7
+    monkeypatch.setattr(ints.engine.model, "fused_decode", False)
+    modules = ints.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)
+    for f, m in zip(fused, modules):
+        assert f.outputs[0].token_ids == m.outputs[0].token_ids
+        assert f.outputs[0].logprobs == m.outputs[0].logprobs
+    assert ints.engine.kv.all_free()
+
+
 def _refused(path, *words):
     with pytest.raises((ValueError, WeightMismatchError)) as e:
         load_model(str(path), torch.float32)

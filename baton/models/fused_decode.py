@@ -52,12 +52,18 @@ def step_bias(linear: torch.nn.Module) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.float().contiguous()
 
 
-def linear_args(name: str, linear: PackedLinear | None) -> dict:
-    """A packed projection as a step takes it: `name` its weight, `name`_bias its bias (a step
-    takes a None argument as not given)."""
+def linear_args(name: str, linear: PackedLinear | StackedLinear | None) -> dict:
+    """A packed projection as a step takes it: `name` its weight (or, stacked, its parts' weights
+    and `name`_rows their output counts), `name`_bias its bias (a step takes a None argument as
+    not given)."""
     if linear is None:
         return {}
-    return {name: linear.packed, f"{name}_bias": step_bias(linear)}
+    if isinstance(linear, StackedLinear):
+        parts = linear.parts()
+        weights = {name: [p.packed for p in parts], f"{name}_rows": [p.out_features for p in parts]}
+    else:
+        weights = {name: linear.packed}
+    return {**weights, f"{name}_bias": step_bias(linear)}
 
 
 def state_args(binding: StepBinding, layer_id: int) -> dict:

@@ -15,6 +15,7 @@ from baton.models.fused_decode import (
     DecodeBlock,
     StepBinding,
     attention_step,
+    linear_args,
     mixer_mlp_blocks,
     packed_only,
     state_args,
@@ -61,6 +62,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class GatedDeltaNet(nn.Module):
+    """in_proj_qkvz's rows are q | k | v | z (every head's q, then every head's k, ...) and
+    in_proj_ba's b | a, as Qwen3.5 and llama.cpp store them apart, so a file whose q|k|v and z
+    are in different block formats stays in blocks (stacked row runs); Qwen3-Next's checkpoints,
+    interleaved per key head, are put in this order at load (`canonical_rows`)."""
+
     def __init__(self, cfg: TextModelConfig, layer_id: int) -> None:
         super().__init__()
         hf = cfg.hf
@@ -80,19 +86,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
         self.eps = cfg.rms_norm_eps
 
-    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
-        """HF's per-key-head interleaved layout -> q, k [T, kh*dk], v, z [T, vh*dv], b, a [T, vh]."""
-        n, r = qkvz.shape[0], self.vh // self.kh
-        qkvz = qkvz.view(n, self.kh, 2 * self.dk + 2 * r * self.dv)
-        q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], dim=2)
-        b, a = torch.split(ba.view(n, self.kh, 2 * r), [r, r], dim=2)
-        flat = lambda t: t.reshape(n, -1)  # noqa: E731
-        return flat(q), flat(k), flat(v), flat(z), flat(b), flat(a)
-
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
-        mixed = torch.cat((q, k, v), dim=1)
+        mixed, z = torch.split(self.in_proj_qkvz(x), [self.conv_dim, self.value_dim], dim=1)
+        b, a = torch.split(self.in_proj_ba(x), [self.vh, self.vh], dim=1)
         (conv_state, rec_state), (conv_ckpt, rec_ckpt) = ctx.states.layer(self.layer_id)
         weight = self.conv1d.weight[:, 0]
         segs = list(segments(ctx.state_meta))
@@ -121,9 +118,9 @@ class GatedDeltaNet(nn.Module):
             value_dim=self.dv,
             conv_kernel=self.conv1d.weight.shape[-1],
             hidden=out_proj.out_features,
-            in_proj=self.in_proj_qkvz.packed,
-            ba=self.in_proj_ba.packed,
-            out_proj=out_proj.packed,
+            **linear_args("in_proj", self.in_proj_qkvz),
+            **linear_args("ba", self.in_proj_ba),
+            **linear_args("out_proj", out_proj),
             conv_weight=self.conv1d.weight[:, 0].float().contiguous(),
             # forward's -A_log.float().exp(): the same op on the same [vh], once
             neg_exp_a=(-self.A_log.float().exp()).contiguous(),
@@ -222,15 +219,20 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     _UNFUSED = {"gate_up_proj": ("gate_proj", "up_proj")}  # of the dense MLPs, the experts, the shared expert
 
+    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
+        part = next((p for p in _GDN_PARTS if f".linear_attn.{p}." in hf_name), None)
+        if part is None:
+            return super().load_weight(hf_name, tensor)
+        module = hf_name.removeprefix("model.").rsplit(".", 2)[0]
+        fused = "in_proj_ba" if part in ("in_proj_ba", "in_proj_b", "in_proj_a") else "in_proj_qkvz"
+        self.block_rows.place(f"{module}.{fused}.weight", canonical_rows(self.get_submodule(module), part), tensor)
+
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     """Qwen3.5's text model is Qwen3-Next's program with dense MLPs; only its checkpoint differs:
     Gated DeltaNet projections stored apart (q|k|v, z, b, a) rather than interleaved per key head.
-    Loading writes them into Qwen3-Next's interleaved rows, so the modules, the tensor-parallel
-    shards and the fused decode step are Qwen3-Next's. (Its text positions are one-dimensional:
-    the three mrope sections see the same position, which is plain rotary.)"""
-
-    _SPLIT = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    (Its text positions are one-dimensional: the three mrope sections see the same position,
+    which is plain rotary.)"""
 
     def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = super().hf_weight_shapes()
@@ -238,18 +240,10 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
             del shapes[name]
         for name, gdn in self.named_modules():
             if isinstance(gdn, GatedDeltaNet):
-                rows = (2 * gdn.key_dim + gdn.value_dim, gdn.value_dim, gdn.vh, gdn.vh)
-                for part, n in zip(self._SPLIT, rows):
+                rows = (gdn.conv_dim, gdn.value_dim, gdn.vh, gdn.vh)
+                for part, n in zip(("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), rows):
                     shapes[f"model.{name}.{part}.weight"] = (n, gdn.in_proj_qkvz.in_features)
         return shapes
-
-    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
-        part = next((p for p in self._SPLIT if f".linear_attn.{p}." in hf_name), None)
-        if part is None:
-            return super().load_weight(hf_name, tensor)
-        module = hf_name.removeprefix("model.").rsplit(".", 2)[0]
-        fused = "in_proj_ba" if part in ("in_proj_b", "in_proj_a") else "in_proj_qkvz"
-        self.block_rows.place(f"{module}.{fused}.weight", interleaved_rows(self.get_submodule(module), part), tensor)
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
@@ -270,18 +264,27 @@ def _language_model(name: str) -> str:
     return name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
 
 
-def interleaved_rows(gdn: GatedDeltaNet, part: str) -> torch.Tensor:
-    """Where the rows of Qwen3.5's `part` projection sit in Qwen3-Next's per-key-head layout: key
-    head h holds [q_h, k_h, v and z of its r value heads] in qkvz and [b, a of its r heads] in ba."""
+_GDN_PARTS = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+def canonical_rows(gdn: GatedDeltaNet, part: str) -> torch.Tensor:
+    """Where the rows of checkpoint projection `part` go in the module's q|k|v|z and b|a: Qwen3.5's
+    parts are runs; Qwen3-Next's interleave per key head h [q_h, k_h, v and z of its r value
+    heads] and [b, a of its r heads]."""
     kh, r, dk, dv = gdn.kh, gdn.vh // gdn.kh, gdn.dk, gdn.dv
-    qkvz_head, ba_head = 2 * dk + 2 * r * dv, 2 * r
-    head = torch.arange(kh)[:, None]
-    q = head * qkvz_head + torch.arange(dk)
-    v = head * qkvz_head + 2 * dk + torch.arange(r * dv)
-    rows = {
-        "in_proj_qkv": torch.cat((q.flatten(), (q + dk).flatten(), v.flatten())),
-        "in_proj_z": (v + r * dv).flatten(),
-        "in_proj_b": (head * ba_head + torch.arange(r)).flatten(),
-        "in_proj_a": (head * ba_head + r + torch.arange(r)).flatten(),
+    runs = {
+        "in_proj_qkv": (0, gdn.conv_dim),
+        "in_proj_z": (gdn.conv_dim, gdn.value_dim),
+        "in_proj_b": (0, gdn.vh),
+        "in_proj_a": (gdn.vh, gdn.vh),
     }
-    return rows[part]
+    if part in runs:
+        start, n = runs[part]
+        return torch.arange(start, start + n)
+    head = torch.arange(kh)[:, None]
+    if part == "in_proj_ba":
+        heads = head * r + torch.arange(r)
+        return torch.cat((heads, heads + gdn.vh), dim=1).flatten()
+    q, k = head * dk + torch.arange(dk), gdn.key_dim + head * dk + torch.arange(dk)
+    v = 2 * gdn.key_dim + head * r * dv + torch.arange(r * dv)
+    return torch.cat((q, k, v, v + gdn.value_dim), dim=1).flatten()

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -21,8 +22,7 @@ struct GdnShape {
   int64_t r() const { return vh / kh; }  // value heads per key head
   int64_t key_dim() const { return kh * dk; }
   int64_t value_dim() const { return vh * dv; }
-  int64_t channels() const { return 2 * key_dim() + value_dim(); }  // the conv's: q, k, v
-  int64_t group_width() const { return 2 * dk + 2 * r() * dv; }     // a key head's q, k, v, z in qkvz
+  int64_t channels() const { return 2 * key_dim() + value_dim(); }  // the conv's: q, k, v; then z in qkvz
 };
 
 struct GdnGates {
@@ -40,13 +40,12 @@ void l2norm_row(const float* x, float* out, int64_t n, float eps, float scale, f
     for (int64_t i = 0; i < n; ++i) out[i] = out[i] * scale;
 }
 
-// The gates from qkvz (z) and in_proj_ba's output ba [n, 2 * vh] (b, a): z, b and a as the
-// module's contiguous [n, *] tensors; when there is one key head its reshape is a view with rows
-// apart, which is how torch runs the elementwise ops over them.
+// The gates from qkvz (z, its last vh * dv columns) and in_proj_ba's output ba [n, 2 * vh] (b | a),
+// each copied to a contiguous [n, *] tensor; the module's z and b are narrow views with rows apart,
+// which is how torch runs the elementwise ops over them (row by row).
 GdnGates gdn_gates(const GdnShape& s, const torch::Tensor& qkvz, const torch::Tensor& ba,
                    const torch::Tensor& neg_exp_a, const torch::Tensor& dt_bias) {
-  const int64_t n = qkvz.size(0), kh = s.kh, vh = s.vh, dk = s.dk, dv = s.dv, r = s.r();
-  const int64_t value_dim = s.value_dim(), group_width = s.group_width();
+  const int64_t n = qkvz.size(0), vh = s.vh, value_dim = s.value_dim(), width = s.channels() + value_dim;
   const auto opts = qkvz.options();
   torch::Tensor z = torch::empty({n, value_dim}, opts), beta = torch::empty({n, vh}, opts),
                 decay = torch::empty({n, vh}, opts);
@@ -57,22 +56,16 @@ GdnGates gdn_gates(const GdnShape& s, const torch::Tensor& qkvz, const torch::Te
   float* dp = decay.data_ptr<float>();
   const float* dt = dt_bias.data_ptr<float>();
   for (int64_t t = 0; t < n; ++t) {
-    for (int64_t g = 0; g < kh; ++g) {
-      std::memcpy(zp + t * value_dim + g * r * dv, src + t * kh * group_width + g * group_width + 2 * dk + r * dv,
-                  r * dv * sizeof(float));
-      for (int64_t j = 0; j < r; ++j) {
-        bp[t * vh + g * r + j] = bap[t * 2 * vh + g * 2 * r + j];
-        dp[t * vh + g * r + j] = bap[t * 2 * vh + g * 2 * r + r + j] + dt[g * r + j];  // a + dt_bias
-      }
-    }
+    std::memcpy(zp + t * value_dim, src + t * width + s.channels(), value_dim * sizeof(float));
+    std::memcpy(bp + t * vh, bap + t * 2 * vh, vh * sizeof(float));
+    for (int64_t j = 0; j < vh; ++j) dp[t * vh + j] = bap[t * 2 * vh + vh + j] + dt[j];  // a + dt_bias
   }
-  const bool coalesced = kh > 1;
-  torch_unary(bp, bp, n, vh, coalesced, Sigmoid());
+  torch_unary(bp, bp, n, vh, false, Sigmoid());
   torch_unary(dp, dp, n, vh, true, Softplus());  // a + dt_bias is a fresh contiguous tensor
   const float* nea = neg_exp_a.data_ptr<float>();
   for (int64_t t = 0; t < n; ++t)
     for (int64_t j = 0; j < vh; ++j) dp[t * vh + j] = nea[j] * dp[t * vh + j];
-  torch_unary(zp, zp, n, value_dim, coalesced, Silu());  // F.silu(gate) of the gated norm
+  torch_unary(zp, zp, n, value_dim, false, Silu());  // F.silu(gate) of the gated norm
   return {z, beta, decay};
 }
 
@@ -126,14 +119,10 @@ class GdnStep : public RecurrentStep {
            a.integer("conv_kernel")} {
     TORCH_CHECK(s_.kh >= 1 && s_.vh % s_.kh == 0, "value heads (", s_.vh, ") must be a multiple of key heads (", s_.kh,
                 ")");
-    const int64_t hidden = a.integer("hidden"), dk = s_.dk, rdv = s_.r() * s_.dv, key_dim = s_.key_dim();
-    read_projections(a, hidden, s_.kh * s_.group_width(), s_.value_dim());  // in_proj: in_proj_qkvz
-    // _split: the column of in_proj_qkvz's output that feeds conv channel c (q, k of each key
-    // head, then v of each value head)
-    std::vector<int64_t> columns;
-    for (int64_t c = 0; c < s_.channels(); ++c)
-      columns.push_back(c < 2 * key_dim ? c % key_dim / dk * s_.group_width() + c / key_dim * dk + c % dk
-                                        : (c - 2 * key_dim) / rdv * s_.group_width() + 2 * dk + (c - 2 * key_dim) % rdv);
+    const int64_t hidden = a.integer("hidden");
+    read_projections(a, hidden, s_.channels() + s_.value_dim(), s_.value_dim());  // in_proj: in_proj_qkvz
+    std::vector<int64_t> columns(s_.channels());  // conv channel c is in_proj_qkvz's column c
+    std::iota(columns.begin(), columns.end(), 0);
     read_conv_state(a, std::move(columns), s_.kc, {s_.vh, s_.dk, s_.dv});
     ba_ = a.linear("ba", hidden, 2 * s_.vh);
     neg_exp_a_ = a.vector("neg_exp_a", s_.vh);

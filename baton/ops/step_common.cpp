@@ -199,7 +199,22 @@ torch::Tensor StepArgs::vector(const char* name, int64_t n) {
 }
 
 StepLinear StepArgs::linear(const std::string& name, int64_t k, int64_t n, bool optional) {
-  StepLinear l{tensor(name.c_str()), c10::nullopt, n};
+  StepLinear l;
+  l.n = n;
+  const pybind11::object v = take(name, false);
+  if (pybind11::isinstance<pybind11::list>(v) || pybind11::isinstance<pybind11::tuple>(v)) {
+    l.parts = v.cast<std::vector<torch::Tensor>>();
+    l.rows = integers((name + "_rows").c_str());
+    TORCH_CHECK(!l.parts.empty() && l.parts.size() == l.rows.size(), name, ": one row count per part");
+    int64_t total = 0;
+    for (size_t i = 0; i < l.parts.size(); ++i) {
+      check_packed(l.parts[i], k, l.rows[i], name.c_str());
+      total += l.rows[i];
+    }
+    TORCH_CHECK(total == n, name, "'s parts have ", total, " rows in all, expected ", n);
+  } else if (!v.is_none()) {
+    l.weight = v.cast<torch::Tensor>();
+  }
   TORCH_CHECK(optional || l.defined(), "missing argument ", name);
   const std::string bias_name = name + "_bias";
   torch::Tensor bias = tensor(bias_name.c_str());
@@ -207,7 +222,7 @@ StepLinear StepArgs::linear(const std::string& name, int64_t k, int64_t n, bool 
     TORCH_CHECK(!bias.defined(), bias_name, " without ", name);
     return l;
   }
-  check_packed(l.weight, k, n, name.c_str());
+  if (l.parts.empty()) check_packed(l.weight, k, n, name.c_str());
   if (bias.defined()) {
     check_vector(bias, n, bias_name.c_str());
     l.bias = std::move(bias);

@@ -84,13 +84,17 @@ struct StateTensors {
 };
 
 // A projection of a step: the packed panels or GGUF blocks of an [n, k] weight (undefined:
-// absent), an optional float32 bias [n]
+// absent), or its row parts in different GGUF formats (stacked_linear), an optional float32 bias [n]
 struct StepLinear {
   torch::Tensor weight;
   c10::optional<torch::Tensor> bias;
   int64_t n = 0;
-  bool defined() const { return weight.defined(); }
-  torch::Tensor operator()(const torch::Tensor& x) const { return packed_linear(x, weight, bias, n); }
+  std::vector<torch::Tensor> parts;  // where the weight ships in parts: each of rows[i] outputs
+  std::vector<int64_t> rows;
+  bool defined() const { return weight.defined() || !parts.empty(); }
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    return parts.empty() ? packed_linear(x, weight, bias, n) : stacked_linear(x, parts, rows, bias, n);
+  }
 };
 
 // A layer step's constructor arguments, by the names the Python binder passes them with. Each is
@@ -107,7 +111,8 @@ class StepArgs {
   std::vector<torch::Tensor> tensors(const char* name);
   std::vector<int64_t> integers(const char* name);
   torch::Tensor vector(const char* name, int64_t n);  // a contiguous float32 [n], required
-  // `name` (packed, [n, k]) and its optional bias `name`_bias [n]; required unless `optional`
+  // `name` (packed, [n, k], or a list of row parts whose output counts are `name`_rows) and its
+  // optional bias `name`_bias [n]; required unless `optional`
   StepLinear linear(const std::string& name, int64_t k, int64_t n, bool optional = false);
   NormWeights norm(const char* name);  // a NormWeights object, or none
   // conv_state, rec_state, conv_checkpoints, rec_checkpoints of a conv over `channels` with the

@@ -111,14 +111,14 @@ def _even_heads(n: int, what: str, sharder: Sharder) -> range:
 
 
 def _gated_delta_net(gdn: GatedDeltaNet, local: dict, sharder: Sharder) -> None:
-    """By key heads, each with its r = vh / kh value heads: the projections' rows are laid out per
-    key head, the conv channels as [q | k | v], the state per value head."""
+    """By key heads, each with its r = vh / kh value heads: in_proj_qkvz's rows are
+    [q | k | v | z], in_proj_ba's [b | a], the conv channels [q | k | v], the state per value head."""
     kh = _even_heads(gdn.kh, "Gated DeltaNet key heads", sharder)
     r, dk, dv = gdn.vh // gdn.kh, gdn.dk, gdn.dv
     vh = range(kh.start * r, kh.stop * r)
-    gdn.in_proj_qkvz = sharder.take_rows(gdn.in_proj_qkvz, _rows(kh, 2 * dk + 2 * r * dv))
-    gdn.in_proj_ba = sharder.take_rows(gdn.in_proj_ba, _rows(kh, 2 * r))
     channels = torch.cat([_rows(kh, dk), _rows(kh, dk, gdn.key_dim), _rows(vh, dv, 2 * gdn.key_dim)])
+    gdn.in_proj_qkvz = sharder.take_rows(gdn.in_proj_qkvz, torch.cat([channels, _rows(vh, dv, gdn.conv_dim)]))
+    gdn.in_proj_ba = sharder.take_rows(gdn.in_proj_ba, torch.cat([_rows(vh, 1), _rows(vh, 1, gdn.vh)]))
     gdn.conv1d.weight = _param(gdn.conv1d.weight, channels)
     gdn.dt_bias, gdn.A_log = _param(gdn.dt_bias, slice(vh.start, vh.stop)), _param(gdn.A_log, slice(vh.start, vh.stop))
     gdn.out_proj = _out_proj(sharder, gdn.out_proj, range(vh.start * dv, vh.stop * dv))
