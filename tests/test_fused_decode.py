@@ -9,6 +9,7 @@ import pytest
 
 from baton import LLM, SamplingParams
 from tests.test_dsa import dsa_glm5, dsa_v32  # noqa: F401  (the random model fixtures)
+from tests.test_falcon_h1 import falcon  # noqa: F401
 from tests.test_glm5_flash import flash  # noqa: F401
 from tests.test_granite_hybrid import bamba, granite  # noqa: F401
 from tests.test_kimi_linear import kimi  # noqa: F401
@@ -20,7 +21,7 @@ from tests.test_recurrent_hybrid import _ids, qwen3_5, qwen3_next  # noqa: F401
 FAMILIES = pytest.mark.parametrize(
     "family",
     [
-        *("qwen3_next", "qwen3_5", "kimi", "nemotron", "granite", "bamba", "lfm2", "lfm2_moe"),
+        *("qwen3_next", "qwen3_5", "kimi", "nemotron", "granite", "bamba", "lfm2", "lfm2_moe", "falcon"),
         *("glm", "dsa_v32", "dsa_glm5", "flash"),
     ],
 )

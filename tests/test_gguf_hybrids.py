@@ -21,6 +21,7 @@ from baton.models.gguf_blocks import BlockTensor
 from baton.models.loader import WeightMismatchError, load_model
 from baton.models.weight_map import BlockRows
 from tests.gguf_files import VOCAB, convert, quantized, rewrite
+from tests.test_falcon_h1 import TINY as FALCON
 from tests.test_granite_hybrid import BAMBA
 from tests.test_granite_hybrid import TINY as GRANITE
 from tests.test_lfm2 import MOE as LFM2_MOE
@@ -109,6 +110,13 @@ CASES = {  # name: (architecture, config, the GGUF architecture the converter wr
         {**LFM2_MOE, "vocab_size": VOCAB, "tie_word_embeddings": True, "routed_scaling_factor": 1.0},
         "lfm2moe",
     ),
+    # untied: a tied file's lm_head is the embedding the converter scaled, as llama.cpp reads it
+    "falcon-h1": ("FalconH1ForCausalLM", {**FALCON, "vocab_size": VOCAB}, "falcon-h1"),
+    "falcon-h1-no-norm-mha": (
+        "FalconH1ForCausalLM",
+        {**FALCON, "vocab_size": VOCAB, "mamba_rms_norm": False, "num_key_value_heads": 4, "mamba_n_groups": 1},
+        "falcon-h1",
+    ),
     "lfm2-tied-kernel-4": (  # (the converter fails on a conv bias: it squeezes the bias like the kernel)
         "Lfm2ForCausalLM",
         {**LFM2, "vocab_size": VOCAB, "tie_word_embeddings": True, "conv_L_cache": 4},
@@ -160,7 +168,7 @@ def files(tmp_path_factory):
     return _Files(tmp_path_factory)
 
 
-SLOW_CASES = ("granitehybrid-dense-tied", "bamba", "lfm2-tied-kernel-4")
+SLOW_CASES = ("granitehybrid-dense-tied", "bamba", "lfm2-tied-kernel-4", "falcon-h1-no-norm-mha")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
@@ -195,6 +203,7 @@ def test_llama_cpp_files_give_transformers_tokens(files, case):
         "nemotron_h-moe",
         pytest.param("granitehybrid-moe", marks=pytest.mark.slow),
         pytest.param("lfm2", marks=pytest.mark.slow),
+        pytest.param("falcon-h1", marks=pytest.mark.slow),
     ],
 )
 def test_q8_0_blocks_sit_where_their_float_values_do(files, tmp_path, case):

@@ -14,6 +14,7 @@ from baton import LLM, SamplingParams
 from baton.handoff import wire
 from baton.handoff.errors import InvalidKVImport
 from tests.test_dsa import dsa_glm5  # noqa: F401  (fixtures)
+from tests.test_falcon_h1 import falcon  # noqa: F401
 from tests.test_glm5_flash import flash  # noqa: F401
 from tests.test_granite_hybrid import granite  # noqa: F401
 from tests.test_handoff import prefill_output, repack, run_imported
@@ -25,6 +26,7 @@ from tests.test_recurrent_hybrid import _ids, qwen3_next  # noqa: F401
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 FAMILIES = ["qwen3_next", "kimi", "nemotron", "lfm2"]
 GRANITE = pytest.param("granite", marks=pytest.mark.slow)  # Mamba2 as nemotron's; its own paths in -m slow
+FALCON = pytest.param("falcon", marks=pytest.mark.slow)  # a layer with both KV and state
 
 
 def _state(llm: LLM):
@@ -36,7 +38,9 @@ def _state(llm: LLM):
     return free, len(e.kv.free_slots), dict(e.kv.block_tables), digest.hexdigest(), dict(e.requests)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, GRANITE, pytest.param("dsa_glm5", marks=pytest.mark.slow), "flash"])
+@pytest.mark.parametrize(
+    "family", [*FAMILIES, GRANITE, FALCON, pytest.param("dsa_glm5", marks=pytest.mark.slow), "flash"]
+)
 def test_decode_after_a_prefix_hit_and_after_preemption_keeps_the_reference_logits(family, request, monkeypatch):
     ref, path = request.getfixturevalue(family)
     prompts = [_ids(60 + 7 * i, 10 + i) for i in range(6)]
@@ -96,7 +100,7 @@ def _sampled_logits(llm: LLM, monkeypatch) -> dict[str, list[torch.Tensor]]:
     return seen
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, GRANITE])
+@pytest.mark.parametrize("family", [*FAMILIES, GRANITE, FALCON])
 def test_handoff_between_unlike_workers_gives_the_lone_workers_tokens(family, request, monkeypatch):
     ref, path = request.getfixturevalue(family)
     prefill = LLM(str(path), progress=False, kv_cache_memory_bytes=64 << 20, block_size=16, max_num_batched_tokens=64)

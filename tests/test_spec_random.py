@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from baton import LLM, SamplingParams
+from tests.test_falcon_h1 import falcon  # noqa: F401 - the fixture
 from tests.test_granite_hybrid import granite  # noqa: F401 - the fixture
 from tests.test_handoff import prefill_span, run_imported
 from tests.test_lfm2 import lfm2  # noqa: F401 - the fixture
@@ -35,6 +36,7 @@ CASES = [  # the default suite runs one per model; `-m slow` all of them
     pytest.param("qwen3_next", "draft_model", marks=pytest.mark.slow),
     pytest.param("granite", "ngram", marks=pytest.mark.slow),  # Mamba2 state rolled back per draft
     pytest.param("lfm2", "ngram", marks=pytest.mark.slow),  # conv windows rolled back per draft
+    pytest.param("falcon", "ngram", marks=pytest.mark.slow),  # KV and state of one layer rolled back
     pytest.param("glm", "ngram", marks=pytest.mark.slow),
     pytest.param("glm", "draft_model", marks=pytest.mark.slow),
     ("glm", "mtp"),

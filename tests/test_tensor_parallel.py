@@ -202,19 +202,21 @@ def test_pd_between_tp1_and_tp2_gives_the_lone_workers_tokens(fmt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["kimi-linear", "nemotron-h", "granite-4.0-h", "lfm2"])
+@pytest.mark.parametrize("family", ["kimi-linear", "nemotron-h", "granite-4.0-h", "lfm2", "falcon-h1"])
 def test_random_kimi_and_nemotron_split_by_head(tmp_path, family):
     """Kimi Linear (KDA by heads, MLA by heads over a replicated latent, grouped MoE),
     Nemotron-H (Mamba2 by head groups, NoPE attention, relu2 MLP and MoE) and Granite-4.0-H
     (Mamba2, fused-qkv attention, softmax MoE with a shared expert, scaled blocks) and LFM2 (short
-    convolutions by channels) at TP=2 and PP=2."""
-    from tests import test_granite_hybrid, test_kimi_linear, test_lfm2, test_nemotron_h
+    convolutions by channels) and Falcon-H1 (attention and Mamba2 side by side, each layer's KV and
+    state kept by its stage) at TP=2 and PP=2."""
+    from tests import test_falcon_h1, test_granite_hybrid, test_kimi_linear, test_lfm2, test_nemotron_h
 
     module = {
         "kimi-linear": test_kimi_linear,
         "nemotron-h": test_nemotron_h,
         "granite-4.0-h": test_granite_hybrid,
         "lfm2": test_lfm2,
+        "falcon-h1": test_falcon_h1,
     }[family]
     _, path = module.build(tmp_path)
     ids = [

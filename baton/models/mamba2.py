@@ -22,6 +22,8 @@ from baton.models.llama import ForwardContext
 from baton.models.recurrent import conv_over_segments, scan_over_segments, segments
 from baton.ops import ops
 
+NORM_MODES = ("none", "after_gate", "before_gate")  # the step's `norm` argument: the index
+
 
 @dataclass(frozen=True)
 class Mamba2Dims:
@@ -30,13 +32,19 @@ class Mamba2Dims:
     groups: int  # G: B and C per group of heads, the gated norm per group
     state_size: int  # N
     conv_kernel: int
-    bias: bool = False  # in_proj's and out_proj's
+    bias: bool = False  # in_proj's (and out_proj's unless out_bias says)
     conv_bias: bool = True
     dt_min: float = 0.0  # dt clamped to [dt_min, dt_max] at every position
     dt_max: float = math.inf
     eps: float = 1e-5  # the gated norm's
+    out_bias: bool | None = None  # out_proj's; None: as in_proj's
+    # y * silu(z) then the grouped RMS norm ("after_gate": Nemotron-H, Granite), the norm then the
+    # gate ("before_gate"), or the gate alone ("none"): Falcon-H1 has all three
+    norm: str = "after_gate"
 
     def __post_init__(self) -> None:
+        if self.norm not in NORM_MODES:
+            raise ValueError(f"Mamba2 norm must be one of {NORM_MODES}, got {self.norm!r}")
         if min(self.heads, self.head_dim, self.groups, self.state_size, self.conv_kernel) < 1:
             raise ValueError(f"Mamba2 dimensions must be positive, got {self}")
         if self.heads % self.groups:
@@ -98,9 +106,12 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.nh))
         self.A_log = nn.Parameter(torch.zeros(self.nh))
         self.D = nn.Parameter(torch.ones(self.nh))
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(self.inner))
-        self.out_proj = nn.Linear(self.inner, hidden_size, bias=dims.bias)
+        self.norm_mode = dims.norm
+        if dims.norm != "none":
+            self.norm = nn.Module()
+            self.norm.weight = nn.Parameter(torch.ones(self.inner))
+        out_bias = dims.bias if dims.out_bias is None else dims.out_bias
+        self.out_proj = nn.Linear(self.inner, hidden_size, bias=out_bias)
         # HF's full-sequence (chunked) path clamps dt; we clamp at every position, decode too
         self.dt_min, self.dt_max = dims.dt_min, dims.dt_max
         self.eps = dims.eps
@@ -120,10 +131,16 @@ class Mamba2Mixer(nn.Module):
         decay = dt * -self.A_log.float().exp()
         v = xs * dt[..., None]
         y = scan_over_segments(c, b, v, decay, None, segs, ssm_state, ssm_ckpt)
-        y = (y + self.D.float()[:, None] * xs).reshape(t, self.inner) * F.silu(z.float())
-        y = y.view(t, g, -1)  # gated RMSNorm per group, gate first, in float32
-        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(t, -1)
-        return self.out_proj((self.norm.weight.float() * y).to(x.dtype))
+        y = (y + self.D.float()[:, None] * xs).reshape(t, self.inner)
+        if self.norm_mode != "before_gate":
+            y = y * F.silu(z.float())
+        if self.norm_mode != "none":
+            y = y.view(t, g, -1)  # RMSNorm per group, in float32
+            y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(t, -1)
+            y = self.norm.weight.float() * y
+        if self.norm_mode == "before_gate":
+            y = y * F.silu(z.float())
+        return self.out_proj(y.to(x.dtype))
 
     def decode_step(self, binding: StepBinding):
         """This mixer as a fused decoder's step (baton/ops/mamba_layer.cpp); None without
@@ -147,7 +164,8 @@ class Mamba2Mixer(nn.Module):
             neg_exp_a=(-self.A_log.float().exp()).contiguous(),
             dt_bias=self.dt_bias.float().contiguous(),
             d=self.D.float().contiguous(),
-            norm_weight=self.norm.weight.float().contiguous(),
+            norm=NORM_MODES.index(self.norm_mode),
+            norm_weight=self.norm.weight.float().contiguous() if self.norm_mode != "none" else None,
             dt_min=self.dt_min,
             dt_max=self.dt_max,
             norm_eps=self.eps,

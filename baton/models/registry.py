@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from baton.models import gemma3, granite_hybrid_gguf, lfm2, llama, nemotron_h_gguf, qwen3_next_gguf
+from baton.models import falcon_h1, gemma3, granite_hybrid_gguf, lfm2, llama, nemotron_h_gguf, qwen3_next_gguf
 from baton.models.dsa import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
+from baton.models.falcon_h1 import FalconH1ForCausalLM
 from baton.models.gemma3 import Gemma3ForCausalLM
 from baton.models.gguf_arch import GGUFArch
 from baton.models.glm4_moe import Glm4MoeForCausalLM
@@ -34,6 +35,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BambaForCausalLM": BambaForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2ForCausalLM,  # the same program with experts after the dense layers
+    "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
@@ -57,5 +59,6 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     **nemotron_h_gguf.GGUF_ARCHS,
     **granite_hybrid_gguf.GGUF_ARCHS,
     **lfm2.GGUF_ARCHS,
+    **falcon_h1.GGUF_ARCHS,
 }
 """llama.cpp's architecture names (a GGUF file's general.architecture), each as its family declares it."""

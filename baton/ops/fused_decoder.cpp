@@ -203,6 +203,32 @@ std::map<std::string, double> FusedDecoder::profile() const {
   return named;
 }
 
+ParallelStep::ParallelStep(std::shared_ptr<LayerStep> first, std::shared_ptr<LayerStep> second)
+    : first_(std::move(first)), second_(std::move(second)) {
+  TORCH_CHECK(first_ && second_, "a parallel step needs two steps");
+  const StepNeeds a = first_->needs(), b = second_->needs();
+  // each need is one step's: a rope or KV group, a recurrent state, a pooled group
+  TORCH_CHECK((a.rope < 0 || b.rope < 0) && (a.kv_group < 0 || b.kv_group < 0) &&
+                  (a.state_slots == 0 || b.state_slots == 0) && (a.pool_group < 0 || b.pool_group < 0),
+              "the two steps of a parallel step must not share a kind of cache");
+  needs_ = a;
+  if (b.rope >= 0) needs_.rope = b.rope, needs_.rope_dim = b.rope_dim;
+  if (b.kv_group >= 0) needs_.kv_group = b.kv_group, needs_.kv_slots = b.kv_slots;
+  if (b.state_slots > 0) needs_.state_slots = b.state_slots, needs_.checkpoints = b.checkpoints;
+  if (b.pool_group >= 0) needs_.pool_group = b.pool_group, needs_.pool_rows = b.pool_rows, needs_.pool = b.pool;
+}
+
+void ParallelStep::check_step(const StepBatch& step) const {
+  first_->check_step(step);
+  second_->check_step(step);
+}
+
+torch::Tensor ParallelStep::run(const torch::Tensor& h, const StepBatch& step, StepStopwatch& watch) {
+  torch::Tensor out = first_->run(h, step, watch);
+  const torch::Tensor other = second_->run(h, step, watch);
+  return out.add_(other);  // the module path's first + second, the same kernel
+}
+
 void bind_fused_decoder(pybind11::module_& m) {
   namespace py = pybind11;
   // Every method releases the GIL: forward for the step's length, the others so that none holds
@@ -218,6 +244,8 @@ void bind_fused_decoder(pybind11::module_& m) {
            py::arg("fn"), py::arg("base"), py::arg("scale"), py::arg("iters"), py::arg("eps"), py::arg("norm_eps"))
       .def(py::init<>());
   py::class_<LayerStep, std::shared_ptr<LayerStep>>(m, "LayerStep");
+  py::class_<ParallelStep, LayerStep, std::shared_ptr<ParallelStep>>(m, "ParallelStep")
+      .def(py::init<std::shared_ptr<LayerStep>, std::shared_ptr<LayerStep>>(), py::arg("first"), py::arg("second"));
   py::class_<FusedDecoder>(m, "FusedDecoder")
       .def(py::init<int64_t, NormWeights, int64_t>(), py::arg("hidden"), py::arg("final_norm"),
            py::arg("streams") = 0)

@@ -81,6 +81,20 @@ class LayerStep {
   virtual torch::Tensor run(const torch::Tensor& h, const StepBatch& step, StepStopwatch& watch) = 0;
 };
 
+// Two steps over the same input, their outputs summed (first's + second's): Falcon-H1's Mamba2
+// mixer and attention side by side in one layer. Each keeps its own KV group or state.
+class ParallelStep : public LayerStep {
+ public:
+  ParallelStep(std::shared_ptr<LayerStep> first, std::shared_ptr<LayerStep> second);
+  StepNeeds needs() const override { return needs_; }
+  void check_step(const StepBatch& step) const override;
+  torch::Tensor run(const torch::Tensor& h, const StepBatch& step, StepStopwatch& watch) override;
+
+ private:
+  std::shared_ptr<LayerStep> first_, second_;
+  StepNeeds needs_;
+};
+
 // An RMS norm's weight, eps and offset ((offset + w) scales the normalized row)
 struct NormWeights {
   torch::Tensor weight;  // undefined: no norm

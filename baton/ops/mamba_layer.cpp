@@ -22,15 +22,20 @@ struct MambaShape {
   int64_t proj_width() const { return inner() + conv_dim() + nh; }  // in_proj's: z, xBC, dt
 };
 
+// Mamba2Dims.norm, by its index in NORM_MODES: the gate alone, the gate then the grouped RMS norm,
+// or the norm then the gate
+enum class MambaNorm : int64_t { kNone = 0, kAfterGate = 1, kBeforeGate = 2 };
+
 struct MambaWeights {
   torch::Tensor neg_exp_a;    // [nh]: -exp(A_log)
   torch::Tensor dt_bias, d;   // [nh]
-  torch::Tensor norm_weight;  // [inner]
+  torch::Tensor norm_weight;  // [inner]; undefined with MambaNorm::kNone
+  MambaNorm norm = MambaNorm::kAfterGate;
   double dt_min = 0.0, dt_max = INFINITY, eps = 1e-5;
 };
 
 // The SSM step of each row over its slot's state in ssm_state [slots, nh, n, p], then + D x, the
-// gate silu(z), the grouped RMS norm and its weight: [rows, inner], out_proj's input.
+// gate silu(z) and the grouped RMS norm with its weight in w.norm's order: [rows, inner], out_proj's input.
 torch::Tensor mamba_ssm_(const MambaShape& s, const MambaWeights& w, const torch::Tensor& zxbcdt,
                          const torch::Tensor& conv, torch::Tensor& ssm_state, const std::vector<int64_t>& slots) {
   const int64_t rows = zxbcdt.size(0), nh = s.nh, p = s.p, n = s.n, inner = s.inner();
@@ -64,7 +69,7 @@ torch::Tensor mamba_ssm_(const MambaShape& s, const MambaWeights& w, const torch
   const torch::Tensor c = conv.narrow(1, inner + gn, gn).view({rows, s.g, n});
   torch::Tensor y = recurrent_step_(c, b, v, decay, torch::Tensor(), ssm_state, slots);
   float* yp = y.data_ptr<float>();
-  // y + D x, times silu(z): z is a view of in_proj's output, its rows apart
+  // y + D x; silu(z) of z, a view of in_proj's output with its rows apart
   torch::Tensor gate = torch::empty({rows, inner}, opts);
   float* gp = gate.data_ptr<float>();
   for (int64_t t = 0; t < rows; ++t) std::memcpy(gp + t * inner, zp + t * width, inner * sizeof(float));
@@ -76,26 +81,30 @@ torch::Tensor mamba_ssm_(const MambaShape& s, const MambaWeights& w, const torch
         const int64_t i = (t * nh + h) * p + j;
         float skip = dd[h] * cp[t * channels + h * p + j];
         BATON_ROUNDED(skip);
-        const float sum = yp[i] + skip;
-        yp[i] = sum * gp[i];
+        yp[i] = yp[i] + skip;
       }
-  // the gated RMS norm per group, then its weight
-  const int64_t m = inner / s.g;
-  const float eps = static_cast<float>(w.eps), fm = static_cast<float>(m);
-  const float* nw = w.norm_weight.data_ptr<float>();
-  at::parallel_for(0, rows * s.g, std::max<int64_t>(1, 4096 / m), [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(m);
-    for (int64_t i = begin; i < end; ++i) {
-      float* o = yp + i * m;
-      const float* wg = nw + i % s.g * m;
-      for (int64_t j = 0; j < m; ++j) buf[j] = o[j] * o[j];
-      const float inv = 1.f / std::sqrt(torch_row_sum(buf.data(), m) / fm + eps);
-      for (int64_t j = 0; j < m; ++j) {
-        const float normed = o[j] * inv;
-        o[j] = wg[j] * normed;
+  if (w.norm != MambaNorm::kBeforeGate)
+    for (int64_t i = 0; i < rows * inner; ++i) yp[i] = yp[i] * gp[i];
+  if (w.norm != MambaNorm::kNone) {  // the RMS norm per group, then its weight
+    const int64_t m = inner / s.g;
+    const float eps = static_cast<float>(w.eps), fm = static_cast<float>(m);
+    const float* nw = w.norm_weight.data_ptr<float>();
+    at::parallel_for(0, rows * s.g, std::max<int64_t>(1, 4096 / m), [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(m);
+      for (int64_t i = begin; i < end; ++i) {
+        float* o = yp + i * m;
+        const float* wg = nw + i % s.g * m;
+        for (int64_t j = 0; j < m; ++j) buf[j] = o[j] * o[j];
+        const float inv = 1.f / std::sqrt(torch_row_sum(buf.data(), m) / fm + eps);
+        for (int64_t j = 0; j < m; ++j) {
+          const float normed = o[j] * inv;
+          o[j] = wg[j] * normed;
+        }
       }
-    }
-  });
+    });
+  }
+  if (w.norm == MambaNorm::kBeforeGate)
+    for (int64_t i = 0; i < rows * inner; ++i) yp[i] = yp[i] * gp[i];
   return y.view({rows, inner});
 }
 
@@ -113,7 +122,12 @@ class MambaStep : public RecurrentStep {
     w_.neg_exp_a = a.vector("neg_exp_a", s_.nh);
     w_.dt_bias = a.vector("dt_bias", s_.nh);
     w_.d = a.vector("d", s_.nh);
-    w_.norm_weight = a.vector("norm_weight", s_.inner());
+    const int64_t norm = a.integer("norm");
+    TORCH_CHECK(norm >= 0 && norm <= 2, "norm must be 0 (none), 1 (after the gate) or 2 (before it), got ", norm);
+    w_.norm = static_cast<MambaNorm>(norm);
+    w_.norm_weight = a.tensor("norm_weight");
+    if (w_.norm != MambaNorm::kNone) check_vector(w_.norm_weight, s_.inner(), "norm_weight");
+    TORCH_CHECK(w_.norm != MambaNorm::kNone || !w_.norm_weight.defined(), "norm_weight without a norm");
     w_.dt_min = a.real("dt_min");
     w_.dt_max = a.real("dt_max");
     TORCH_CHECK(w_.dt_min <= w_.dt_max, "dt_min (", w_.dt_min, ") must not exceed dt_max (", w_.dt_max, ")");

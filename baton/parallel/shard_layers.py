@@ -171,13 +171,18 @@ def _mamba2(mixer: Mamba2Mixer, local: dict, sharder: Sharder) -> None:
         mixer.conv1d.bias = _param(mixer.conv1d.bias, conv)
     for name in ("dt_bias", "A_log", "D"):
         setattr(mixer, name, _param(getattr(mixer, name), slice(heads.start, heads.stop)))
-    mixer.norm.weight = _param(mixer.norm.weight, x_rows)
+    if mixer.norm_mode != "none":
+        mixer.norm.weight = _param(mixer.norm.weight, x_rows)
     mixer.out_proj = _out_proj(sharder, mixer.out_proj, range(heads.start * p, heads.stop * p))
     mixer.nh, mixer.g = len(heads), len(groups)
     mixer.inner = len(heads) * p
     mixer.conv_dim = mixer.inner + 2 * len(groups) * n
     local.setdefault("hf", {}).update(
-        mamba_num_heads=len(heads), mamba_n_heads=len(heads), n_groups=len(groups), mamba_n_groups=len(groups)
+        mamba_num_heads=len(heads),
+        mamba_n_heads=len(heads),
+        n_groups=len(groups),
+        mamba_n_groups=len(groups),
+        mamba_d_ssm=mixer.inner,  # Falcon-H1's
     )
     local.setdefault("state_channels", {})[mixer.layer_id] = [conv, torch.arange(heads.start, heads.stop)]
 
