@@ -8,6 +8,7 @@ directory; random weights make no sense as text but cost what a trained model of
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -57,8 +58,60 @@ SHAPES: dict[str, tuple[str, dict]] = {
             linear_num_value_heads=8,
         ),
     ),
+    # Granite-4.0-H-shaped MoE, ~3.0B total / ~0.95B active: 32 layers (every 8th NoPE attention,
+    # the rest Mamba2 of 48 heads x 64), 32 experts of 512 (4 used) beside a shared 1024, IBM's multipliers
+    "granite-4.0-h-3b-moe": (
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            vocab_size=49152,
+            hidden_size=1536,
+            num_hidden_layers=32,
+            layer_types=["attention" if i % 8 == 7 else "mamba" for i in range(32)],
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            mamba_n_heads=48,
+            mamba_d_head=64,
+            mamba_n_groups=1,
+            mamba_d_state=128,
+            mamba_d_conv=4,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            intermediate_size=512,
+            shared_intermediate_size=1024,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.0078125,
+            logits_scaling=6.0,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    # LFM2-1.2B's shape: 16 layers (6 attention, 10 gated short convolutions), MLP 12288 -> 8192
+    "lfm2-1.2b": (
+        "Lfm2ForCausalLM",
+        dict(
+            vocab_size=49152,
+            hidden_size=2048,
+            num_hidden_layers=16,
+            layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=12288,
+            block_auto_adjust_ff_dim=True,
+            block_multiple_of=256,
+            block_ffn_dim_multiplier=1.0,
+            conv_L_cache=3,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
 }
 QUANTS = ("Q4_K_M", "Q4_0", "Q8_0", "BF16")
+_IBM_TYPES = {"linear_attention": "mamba", "full_attention": "attention"}  # the names llama.cpp's converter knows
 
 
 def hf_dir(cache: Path, name: str) -> Path:
@@ -68,13 +121,18 @@ def hf_dir(cache: Path, name: str) -> Path:
     import transformers
 
     arch, config = SHAPES[name]
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "TextConfig"))
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "TextConfig"), None)
+    config_cls = config_cls or getattr(transformers, arch.replace("ForCausalLM", "Config"))
     torch.manual_seed(0)
     model = getattr(transformers, arch)(config_cls(**config)).to(torch.bfloat16)
     print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters", flush=True)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
+    if arch == "GraniteMoeHybridForCausalLM":
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg["layer_types"] = [_IBM_TYPES.get(t, t) for t in cfg["layer_types"]]
+        (tmp / "config.json").write_text(json.dumps(cfg))
     tokenizer_dir = export_hf_dir("smollm2-135m")  # its tokenizer files, chat template and vocabulary
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         if (tokenizer_dir / file).exists():
@@ -96,7 +154,8 @@ def gguf_file(cache: Path, name: str, quant: str) -> Path:
         script = llama_cpp_sources(cache) / "convert_hf_to_gguf.py"
         tmp = bf16.with_suffix(".tmp")
         cmd = [sys.executable, str(script), str(hf_dir(cache, name)), "--outtype", "bf16", "--outfile", str(tmp)]
-        done = subprocess.run([*cmd, "--no-mtp"], capture_output=True, text=True)
+        no_mtp = ["--no-mtp"] if SHAPES[name][0].startswith("Qwen") else []  # the others refuse the flag
+        done = subprocess.run([*cmd, *no_mtp], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
         tmp.rename(bf16)

@@ -24,6 +24,7 @@ from tests.gguf_files import VOCAB, convert, quantized, rewrite
 from tests.test_falcon_h1 import TINY as FALCON
 from tests.test_granite_hybrid import BAMBA
 from tests.test_granite_hybrid import TINY as GRANITE
+from tests.test_kimi_linear import TINY as KIMI
 from tests.test_lfm2 import MOE as LFM2_MOE
 from tests.test_lfm2 import TINY as LFM2
 from tests.test_random_models import make_model
@@ -117,6 +118,12 @@ CASES = {  # name: (architecture, config, the GGUF architecture the converter wr
         {**FALCON, "vocab_size": VOCAB, "mamba_rms_norm": False, "num_key_value_heads": 4, "mamba_n_groups": 1},
         "falcon-h1",
     ),
+    # KDA heads = MLA heads, as llama.cpp sizes both by attention.head_count
+    "kimi-linear": (
+        "KimiLinearForCausalLM",
+        {**KIMI, "vocab_size": VOCAB, "linear_attn_config": {**KIMI["linear_attn_config"], "num_heads": 4}},
+        "kimi-linear",
+    ),
     "lfm2-tied-kernel-4": (  # (the converter fails on a conv bias: it squeezes the bias like the kernel)
         "Lfm2ForCausalLM",
         {**LFM2, "vocab_size": VOCAB, "tie_word_embeddings": True, "conv_L_cache": 4},
@@ -158,9 +165,33 @@ class _Files(dict):
             ibm = {"linear_attention": "mamba", "full_attention": "attention"}
             cfg["layer_types"] = [ibm[t] for t in cfg["layer_types"]]
             (source / "config.json").write_text(json.dumps(cfg))
+        if arch == "KimiLinearForCausalLM":
+            source = _kimi_for_converter(hf_dir, config)
         no_mtp = ("--no-mtp",) if arch.startswith("Qwen3") else ()  # others refuse the flag
-        self[case] = ref, convert(source, hf_dir.parent / f"{case}.gguf", *no_mtp), hf_dir
+        path = convert(source, hf_dir.parent / f"{case}.gguf", *no_mtp)
+        if arch == "KimiLinearForCausalLM":  # the converter reads n_group, which transformers renames
+            groups = (config["num_expert_group"], gguf.GGUFValueType.UINT32, None)
+            path = rewrite(path, path.with_name(f"{case}-groups.gguf"), {"kimi-linear.expert_group_count": groups})
+        self[case] = ref, path, hf_dir
         return self[case]
+
+
+def _kimi_for_converter(hf_dir, config):
+    """transformers saves a Kimi Linear's dense MLPs under block_sparse_moe., where the converter
+    looks for mlp. (Moonshot's names), and no router activation, which llama.cpp requires."""
+    from safetensors.torch import load_file, save_file
+
+    source = shutil.copytree(hf_dir, hf_dir.parent / "kimi-for-converter")
+    cfg = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**cfg, "moe_router_activation_func": "sigmoid"}))
+    dense = [f"model.layers.{i}.block_sparse_moe." for i in range(config["first_k_dense_replace"])]
+    weights = load_file(source / "model.safetensors")
+    renamed = {}
+    for name, t in weights.items():
+        prefix = next((d for d in dense if name.startswith(d)), None)
+        renamed[name if prefix is None else name.replace(".block_sparse_moe.", ".mlp.")] = t
+    save_file(renamed, source / "model.safetensors", metadata={"format": "pt"})
+    return source
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +235,7 @@ def test_llama_cpp_files_give_transformers_tokens(files, case):
         pytest.param("granitehybrid-moe", marks=pytest.mark.slow),
         pytest.param("lfm2", marks=pytest.mark.slow),
         pytest.param("falcon-h1", marks=pytest.mark.slow),
+        "kimi-linear",  # KDA's fused in_proj gathered in blocks (PartsWeightMap), kv_b dequantized
     ],
 )
 def test_q8_0_blocks_sit_where_their_float_values_do(files, tmp_path, case):

@@ -58,8 +58,11 @@ def load_rank_model(config: EngineConfig, tp: TPGroup, rank: int = 0, progress: 
 
 
 def kv_cache_dtype(config: EngineConfig, rank_model: RankModel) -> torch.dtype:
-    """The dtype of the KV cache every rank allocates (CacheConfig.kv_torch_dtype_name)."""
+    """The dtype of the KV cache every rank allocates (CacheConfig.kv_torch_dtype_name). A GGUF
+    model with MLA layers keeps its own dtype: its latents are a small cache already, and the
+    one-call MLA step reads float32 (or fp8) latents, not float16."""
     gguf_blocks = config.model.keep_gguf_blocks and rank_model.loaded.path.suffix == ".gguf"
+    gguf_blocks = gguf_blocks and not any(k.is_mla for k in rank_model.local_config.layer_kinds)
     return getattr(torch, config.cache.kv_torch_dtype_name(config.model.torch_dtype_name, gguf_blocks))
 
 

@@ -175,14 +175,16 @@ def uniform(meta: GGUFMetadata, key: str, num_layers: int, hf_key: str, cfg: dic
         cfg[hf_key] = values.pop()
 
 
-def attention_layers(meta: GGUFMetadata, num_layers: int, recurrent_tensor: str) -> list[bool]:
+def attention_layers(
+    meta: GGUFMetadata, num_layers: int, recurrent_tensor: str, attention_tensor: str = "attn_q.weight"
+) -> list[bool]:
     """Whether each layer is attention rather than recurrent: attention exactly where its
     attention.head_count_kv is not 0 (llama.cpp's rule), checked against the tensors its block
-    holds (attn_q.weight, or `recurrent_tensor`, never both)."""
+    holds (`attention_tensor`, or `recurrent_tensor`, never both)."""
     kv = meta.per_layer("attention.head_count_kv", meta.integer("block_count"))[:num_layers]
     kinds = []
     for i in range(num_layers):
-        recurrent, attention = meta.block_has(i, recurrent_tensor), meta.block_has(i, "attn_q.weight")
+        recurrent, attention = meta.block_has(i, recurrent_tensor), meta.block_has(i, attention_tensor)
         if recurrent == attention or attention != bool(kv[i]):
             raise ValueError(
                 f"{meta.where}: block {i} holds {'both mixers' if recurrent else 'no mixer'} or its tensors "

@@ -16,7 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.spec import LayerKind
-from baton.models.fused_decode import DecodeBlock, StepBinding, mixer_mlp_blocks, packed_only, state_args
+from baton.models.fused_decode import (
+    DecodeBlock,
+    StepBinding,
+    linear_args,
+    mixer_mlp_blocks,
+    packed_only,
+    state_args,
+)
+from baton.models.gguf_blocks import BlockTensor
 from baton.models.layers import RMSNorm, unwrapped
 from baton.models.llama import ForwardContext, LlamaForCausalLM
 from baton.models.mla import MLAttention
@@ -142,11 +150,11 @@ class KimiDeltaAttention(nn.Module):
             head_dim=self.dim,
             conv_kernel=self.conv_weight.shape[1],
             hidden=o_proj.out_features,
-            in_proj=self.in_proj.packed,
-            out_proj=o_proj.packed,
+            **linear_args("in_proj", self.in_proj),
+            **linear_args("out_proj", o_proj),
             conv_weight=self.conv_weight.float().contiguous(),
-            f_b=self.f_b_proj.packed,
-            g_b=self.g_b_proj.packed,
+            **linear_args("f_b", self.f_b_proj),
+            **linear_args("g_b", self.g_b_proj),
             dt_bias=self.dt_bias.float().contiguous(),
             **decay,
             o_norm=self.o_norm.weight.float().contiguous(),
@@ -238,3 +246,24 @@ class KimiLinearForCausalLM(PartsWeightMap, LlamaForCausalLM):
     def _checkpoint_name(self, hf_name: str) -> str:
         # the original checkpoint names its dense MLP(s) `mlp.`; transformers saves `block_sparse_moe.`
         return hf_name.replace(".mlp.", ".block_sparse_moe.")
+
+    # llama.cpp's files split each MLA layer's kv_b_proj into k_b and v_b (kimi_linear_gguf.py)
+    _KV_B = ("kv_b_proj.k_b", "kv_b_proj.v_b")
+
+    def gguf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = self.hf_weight_shapes()
+        for name in [n for n in shapes if n.endswith(".kv_b_proj.weight")]:
+            attn = self.layers[int(name.split(".")[2])].self_attn
+            del shapes[name]
+            for part, dim in zip(self._KV_B, (attn.dn, attn.dv)):
+                shapes[name.replace("kv_b_proj.weight", part)] = (attn.num_heads * dim, attn.rank)
+        return shapes
+
+    def load_weight(self, hf_name: str, tensor: torch.Tensor | BlockTensor) -> None:
+        part = next((p for p in self._KV_B if hf_name.endswith(p)), None)
+        if part is None:
+            return super().load_weight(hf_name, tensor)
+        attn = self.layers[int(hf_name.split(".")[2])].self_attn
+        head = torch.arange(attn.num_heads)[:, None] * (attn.dn + attn.dv)  # per head: its dn k rows, then dv v rows
+        rows = head + torch.arange(attn.dn) if part == self._KV_B[0] else head + attn.dn + torch.arange(attn.dv)
+        attn.kv_b_proj.weight.data[rows.flatten()] = tensor.reshape(-1, attn.rank)

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from baton.models import falcon_h1, gemma3, granite_hybrid_gguf, lfm2, llama, nemotron_h_gguf, qwen3_next_gguf
+from baton.models import (
+    falcon_h1,
+    gemma3,
+    granite_hybrid_gguf,
+    kimi_linear_gguf,
+    lfm2,
+    llama,
+    nemotron_h_gguf,
+    qwen3_next_gguf,
+)
 from baton.models.dsa import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from baton.models.falcon_h1 import FalconH1ForCausalLM
 from baton.models.gemma3 import Gemma3ForCausalLM
@@ -60,5 +69,6 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     **granite_hybrid_gguf.GGUF_ARCHS,
     **lfm2.GGUF_ARCHS,
     **falcon_h1.GGUF_ARCHS,
+    **kimi_linear_gguf.GGUF_ARCHS,
 }
 """llama.cpp's architecture names (a GGUF file's general.architecture), each as its family declares it."""

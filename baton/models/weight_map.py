@@ -63,10 +63,19 @@ class PartsWeightMap:
     def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
         return {hf: shape for hf, (_, _, shape) in self._weights().items()}
 
-    def load_weight(self, hf_name: str, tensor: torch.Tensor) -> None:
+    def load_weight(self, hf_name: str, tensor: torch.Tensor | BlockTensor) -> None:
+        """A float tensor is copied into its rows; a matrix in GGUF blocks waits in `block_rows` (the
+        model's BlockRows) for its parameter's other parts, and stays blocks where a linear takes it."""
         name, start, shape = self._weights()[self._checkpoint_name(hf_name)]
         param = self.get_parameter(name).data  # type: ignore[attr-defined]
         dst = param if start is None else param[start : start + shape[0]]
+        if isinstance(tensor, BlockTensor):
+            module = self.get_submodule(name.rpartition(".")[0])  # type: ignore[attr-defined]
+            if isinstance(module, torch.nn.Linear) and name.endswith(".weight"):
+                rows = None if start is None else torch.arange(start, start + shape[0])
+                self.block_rows.place(name, rows, tensor)  # type: ignore[attr-defined]
+                return
+            tensor = tensor.dequantize()
         dst.copy_(tensor.reshape(dst.shape))
 
 
