@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
-from tests.test_random_models import make_model
+from tests.test_random_models import make_model, rerandomized
 
 TINY = dict(
     vocab_size=256,
@@ -63,20 +63,7 @@ PROMPT = torch.randint(3, 256, (150,), generator=torch.Generator().manual_seed(1
 def build(tmp_path, arch="GraniteMoeHybridForCausalLM", **overrides):
     """(reference, path): weights re-randomised at O(1) scale (A_log, D, dt_bias keep HF's init) so
     that every mixer moves the logits."""
-    ref, path = make_model(tmp_path, arch, **{**(BAMBA if arch == "BambaForCausalLM" else TINY), **overrides})
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if name.endswith(("A_log", "dt_bias", ".D")):
-                continue
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif p.dim() == 1:
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * (0.5 if "conv1d" in name else p.shape[-1] ** -0.5))
-    ref.save_pretrained(path)
-    return ref, path
+    return rerandomized(*make_model(tmp_path, arch, **{**(BAMBA if arch == "BambaForCausalLM" else TINY), **overrides}))
 
 
 @pytest.fixture(scope="module")

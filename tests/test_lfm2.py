@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
-from tests.test_random_models import make_model
+from tests.test_random_models import make_model, rerandomized
 
 TINY = dict(
     vocab_size=256,
@@ -59,21 +59,11 @@ PROMPT = torch.randint(3, 256, (150,), generator=torch.Generator().manual_seed(1
 def build(tmp_path, arch="Lfm2ForCausalLM", **overrides):
     """(reference, path): weights re-randomised at O(1) scale so that every layer moves the logits
     (and the experts' bias so that it steers the choice)."""
-    ref, path = make_model(tmp_path, arch, **{**(MOE if arch == "Lfm2MoeForCausalLM" else TINY), **overrides})
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif p.dim() == 1:
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * (0.5 if ".conv.conv" in name else p.shape[-1] ** -0.5))
-        for name, b in ref.named_buffers():
-            if name.endswith("expert_bias"):
-                b.copy_(0.3 * torch.randn_like(b))
-    ref.save_pretrained(path)
-    return ref, path
+    return rerandomized(
+        *make_model(tmp_path, arch, **{**(MOE if arch == "Lfm2MoeForCausalLM" else TINY), **overrides}),
+        conv=".conv.conv",
+        router_bias="expert_bias",
+    )
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,29 @@ def make_model(tmp_path, arch: str, **overrides):
     return model, tmp_path
 
 
+def rerandomized(ref, path, conv: str = "conv1d", router_bias: str | None = None):
+    """(ref, path) with ref's weights re-randomised at O(1) scale and saved to path, so that every
+    layer moves the logits: norms near 1, other vectors small, matrices at 1 / sqrt(fan-in), conv
+    kernels (names holding `conv`) at 0.5; A_log, dt_bias and D keep HF's init (a recurrent decay);
+    a router's bias buffer (named `router_bias`) set so it steers the expert choice."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(("A_log", "dt_bias", ".D")):
+                continue
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (0.5 if conv in name else p.shape[-1] ** -0.5))
+        for name, b in ref.named_buffers():
+            if router_bias and name.endswith(router_bias):
+                b.copy_(0.3 * torch.randn_like(b))
+    ref.save_pretrained(path)
+    return ref, path
+
+
 CASES = {
     "qwen2": ("Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}),
