@@ -20,7 +20,7 @@ from baton.models.gguf_arch import ATTENTION_NAMES, GGUFArch, GGUFMetadata, Valu
 from baton.models.gguf_blocks import BlockTensor
 from baton.models.layers import RMSNorm, unwrapped
 from baton.models.llama import Attention, ForwardContext, LlamaForCausalLM
-from baton.models.mamba2 import Mamba2Dims, Mamba2Mixer, gguf_undone, time_step_limit
+from baton.models.mamba2 import Mamba2Dims, Mamba2Mixer, gguf_names, gguf_undone, time_step_limit
 from baton.models.model_config import TextModelConfig
 from baton.models.moe import MLP
 from baton.models.rope import Rotary
@@ -241,13 +241,6 @@ _GGUF_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-    "ssm_in.weight": "mamba.in_proj.weight",
-    "ssm_conv1d.weight": "mamba.conv1d.weight",
-    "ssm_conv1d.bias": "mamba.conv1d.bias",
-    "ssm_dt.bias": "mamba.dt_bias",
-    "ssm_a": "mamba.A_log",
-    "ssm_d": "mamba.D",
-    "ssm_norm.weight": "mamba.norm.weight",
-    "ssm_out.weight": "mamba.out_proj.weight",
+    **gguf_names("mamba"),
 }
 GGUF_ARCHS = {"falcon-h1": GGUFArch("FalconH1ForCausalLM", _gguf_config, _GGUF_NAMES, transform=_gguf_transform)}

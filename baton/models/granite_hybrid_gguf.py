@@ -18,7 +18,7 @@ from baton.models.gguf_arch import (
     uniform,
 )
 from baton.models.llama import rope_rows_unpermuted
-from baton.models.mamba2 import gguf_undone
+from baton.models.mamba2 import gguf_names, gguf_undone
 
 
 def _gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
@@ -85,14 +85,7 @@ def _gguf_transform(hf_name: str, value: Value, meta: GGUFMetadata):
 _GGUF_NAMES = {
     **ATTENTION_NAMES,
     **MLP_NAMES,
-    "ssm_in.weight": "mamba.in_proj.weight",
-    "ssm_conv1d.weight": "mamba.conv1d.weight",
-    "ssm_conv1d.bias": "mamba.conv1d.bias",
-    "ssm_dt.bias": "mamba.dt_bias",
-    "ssm_a": "mamba.A_log",
-    "ssm_d": "mamba.D",
-    "ssm_norm.weight": "mamba.norm.weight",
-    "ssm_out.weight": "mamba.out_proj.weight",
+    **gguf_names("mamba"),
     "ffn_gate_inp.weight": "mlp.gate.weight",
     "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
     "ffn_up_exps.weight": "mlp.experts.up_proj.weight",

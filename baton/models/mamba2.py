@@ -58,6 +58,21 @@ class Mamba2Dims:
         return LayerKind.recurrent((conv_dim, self.conv_kernel - 1), (self.heads, self.state_size, self.head_dim))
 
 
+def gguf_names(module: str) -> dict[str, str]:
+    """llama.cpp's names for a Mamba2 mixer's tensors, under the layer's `module` (mamba, mixer)."""
+    parts = {
+        "ssm_in.weight": "in_proj.weight",
+        "ssm_conv1d.weight": "conv1d.weight",
+        "ssm_conv1d.bias": "conv1d.bias",
+        "ssm_dt.bias": "dt_bias",
+        "ssm_a": "A_log",
+        "ssm_d": "D",
+        "ssm_norm.weight": "norm.weight",
+        "ssm_out.weight": "out_proj.weight",
+    }
+    return {gguf: f"{module}.{hf}" for gguf, hf in parts.items()}
+
+
 def gguf_undone(part: str, value: Value) -> Value:
     """A Mamba2 mixer's tensor `part` (A_log, D, norm.weight, conv1d.weight, ...) as llama.cpp's
     converter wrote it, back in HF's shape: ssm_a stored as -exp(A_log), A and D as columns, the

@@ -14,7 +14,7 @@ from baton.models.gguf_arch import (
     each_expert,
     uniform,
 )
-from baton.models.mamba2 import gguf_undone
+from baton.models.mamba2 import gguf_names, gguf_undone
 
 
 def _gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
@@ -91,14 +91,7 @@ _GGUF_NAMES = {
     },
     "ffn_up.weight": "mixer.up_proj.weight",
     "ffn_down.weight": "mixer.down_proj.weight",
-    "ssm_in.weight": "mixer.in_proj.weight",
-    "ssm_conv1d.weight": "mixer.conv1d.weight",
-    "ssm_conv1d.bias": "mixer.conv1d.bias",
-    "ssm_dt.bias": "mixer.dt_bias",
-    "ssm_a": "mixer.A_log",
-    "ssm_d": "mixer.D",
-    "ssm_norm.weight": "mixer.norm.weight",
-    "ssm_out.weight": "mixer.out_proj.weight",
+    **gguf_names("mixer"),
     "ffn_gate_inp.weight": "mixer.gate.weight",
     "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
     "ffn_up_exps.weight": "mixer.experts.up_proj.weight",
