@@ -40,6 +40,16 @@ HYBRID_KV_VALUES = {
 }
 MAX_MODEL_LEN.update({name: 4096 for name in HYBRID_KV_VALUES})
 KV_VALUES_PER_TOKEN.update(HYBRID_KV_VALUES)
+# and the float32 recurrent state each running request keeps (conv windows + state matrices):
+# llama-server's 32 slots hold 32 of them, so baton's budget holds as many beside the attention KV,
+# and as many bytes again of state checkpoints (llama-server keeps its checkpoints in RAM besides)
+HYBRID_STATE_BYTES = {
+    "qwen3.5-1.5b": 18 * 4 * ((2 * 16 * 128 + 16 * 128) * 3 + 16 * 128 * 128),
+    "qwen3.5-0.4b": 12 * 4 * ((2 * 8 * 128 + 8 * 128) * 3 + 8 * 128 * 128),
+    "granite-4.0-h-3b-moe": 28 * 4 * ((48 * 64 + 2 * 128) * 3 + 48 * 128 * 64),
+    "lfm2-1.2b": 10 * 4 * 2048 * 2,
+}
+SLOTS = 32  # llama-server's -np, baton's max_num_seqs
 # inherited variables that change how a server computes or allocates: printed with the settings when set
 RELEVANT_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LD_PRELOAD", "BATON_", "VLLM_", "LLAMA_", "GGML_")
 
@@ -141,7 +151,13 @@ def start_server(
         cmd = [sys.executable, "-m", "baton.cli", "serve", "--model", str(weights), "--served-model-name", model]
         cmd += ["--port", str(port), "--max-model-len", max_len]
         kv_dtype, kv_bytes = ("float16", 2) if weights.suffix == ".gguf" else ("float32", 4)
-        cmd += ["--kv-cache-memory-bytes", str(LLAMA_CPP_KV_TOKENS * KV_VALUES_PER_TOKEN[model] * kv_bytes)]
+        budget = LLAMA_CPP_KV_TOKENS * KV_VALUES_PER_TOKEN[model] * kv_bytes
+        if model in HYBRID_STATE_BYTES:
+            states = SLOTS * HYBRID_STATE_BYTES[model]
+            # the checkpoint share is of what the running requests' states leave: KV + checkpoints
+            cmd += ["--state-checkpoint-fraction", f"{states / (budget + states):.3f}"]
+            budget += 2 * states
+        cmd += ["--kv-cache-memory-bytes", str(budget)]
         env, timeout = {"BATON_LOG_LEVEL": "WARNING"}, 300
         note = "compute threads: torch's default, one per core, unbound; "
         note += f"KV: {LLAMA_CPP_KV_TOKENS} positions, {kv_dtype}"
@@ -162,7 +178,7 @@ def start_server(
     elif peer == "llama.cpp":
         cmd = [str(llama_server_binary(cache)), "-m", str(weights), "-a", model]
         # 32 slots sharing one 16k-token KV pool: every workload's sequences fit at once
-        cmd += ["--host", "127.0.0.1", "--port", str(port), "-t", str(CORES), "-np", "32", "--kv-unified"]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "-t", str(CORES), "-np", str(SLOTS), "--kv-unified"]
         cmd += ["-c", str(LLAMA_CPP_KV_TOKENS)]
         env, timeout = {}, 120
         note = "KV cache: its default type, f16; built with GGML_NATIVE=ON, AMX off"
