@@ -1,7 +1,7 @@
 """How far a quantized model's next-token distributions are from the float32 model's, for baton and
 for llama.cpp's `llama-perplexity --kl-divergence`, on the same file and text, side by side.
 
-    python -m bench.quant_quality [--model smollm2-135m] [--text /usr/share/common-licenses/GPL-3]
+    python -m bench.quant_quality [--model smollm2-135m | qwen3.5-1.5b:Q4_K_M] [--text /usr/share/common-licenses/GPL-3]
         [--ctx 512] [--chunks 8] [--quantization q4_k | --kv-cache-dtype fp8] [--quantized-kv-cache-dtype float32]
 
 The text is cut into chunks of --ctx tokens, each starting with BOS, and (as llama-perplexity does)
@@ -11,7 +11,9 @@ gives (`llama-tokenize`), so that both score the same positions. Without --quant
 quantized model is the GGUF file as shipped and its float32 model the same file dequantized
 (`--dtype float32`), so baton's figures measure only its kernels; with it, the dequantized weights
 quantized again at load. llama.cpp's float32 model is the F32 GGUF made from the same weights
-(bench/peer_servers.f32_gguf).
+(bench/peer_servers.f32_gguf). For bench/hybrid_files.py's files (`--model NAME:TYPE`), both
+engines' float model is the file's BF16 sibling (the random checkpoint's own weights), so both
+figures count the quantization and the kernels.
 With --kv-cache-dtype, both models run the weights as shipped and differ only in the KV cache's
 dtype ("float32" and "quantized" in the table are then the KV's); pick --ctx past the model's
 sliding window (Gemma3's is 512) so that every kind of layer reads quantized K/V.
@@ -32,6 +34,7 @@ from baton import LLM
 from baton.bench.hf_export import export_hf_dir
 from baton.config import EnvSettings
 from baton.models.loader import resolve_model_path
+from bench import hybrid_files
 from bench.peer_servers import f32_gguf, llama_cpp_binary
 
 
@@ -58,9 +61,16 @@ def targets(batches: list[list[int]]) -> torch.Tensor:
 
 
 def baton_figures(
-    model: str, ref_args: dict, test_args: dict, text: str, ctx: int, count: int, ids: list[int] | None = None
+    model: str,
+    ref_args: dict,
+    test_args: dict,
+    text: str,
+    ctx: int,
+    count: int,
+    ids: list[int] | None = None,
+    ref_model: str | None = None,
 ) -> dict[str, float]:
-    ref = LLM(model, progress=False, **ref_args)
+    ref = LLM(ref_model or model, progress=False, **ref_args)
     batches = chunks(ref, text, ctx, count, ids)
     base = scored_logprobs(ref, batches)
     del ref
@@ -78,10 +88,21 @@ def baton_figures(
     }
 
 
+def model_files(model: str) -> tuple[Path, Path]:
+    """(the quantized GGUF file, llama.cpp's float model of the same weights): a packaged model's
+    file and the F32 GGUF of its export, or bench/hybrid_files.py's NAME:TYPE and its BF16 file (the
+    random checkpoint's own weights, bf16)."""
+    cache = EnvSettings.read().cache_dir
+    name, _, quant = model.partition(":")
+    if name in hybrid_files.SHAPES:
+        return hybrid_files.gguf_file(cache, name, quant or "Q4_K_M"), hybrid_files.gguf_file(cache, name, "BF16")
+    return resolve_model_path(model), f32_gguf(cache, model, export_hf_dir(model))
+
+
 def llama_cpp_tokens(model: str, text_file: Path) -> list[int]:
     """The text's token ids as llama-perplexity tokenizes it (BOS first where the vocabulary adds one)."""
     tool = llama_cpp_binary(EnvSettings.read().cache_dir, "llama-tokenize")
-    cmd = [str(tool), "-m", str(resolve_model_path(model)), "-f", str(text_file), "--ids", "--log-disable"]
+    cmd = [str(tool), "-m", str(model_files(model)[0]), "-f", str(text_file), "--ids", "--log-disable"]
     out = subprocess.run([*cmd, "--no-escape"], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -89,7 +110,7 @@ def llama_cpp_tokens(model: str, text_file: Path) -> list[int]:
 def llama_cpp_figures(model: str, text_file: Path, ctx: int, count: int) -> dict[str, float]:
     cache = EnvSettings.read().cache_dir
     tool = llama_cpp_binary(cache, "llama-perplexity")
-    f32 = f32_gguf(cache, model, export_hf_dir(model))
+    quantized, f32 = model_files(model)
     common = ["-f", str(text_file), "-c", str(ctx), "--chunks", str(count), "-t", "2"]
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base.kld"
@@ -97,7 +118,7 @@ def llama_cpp_figures(model: str, text_file: Path, ctx: int, count: int) -> dict
             [str(tool), "-m", str(f32), "--kl-divergence-base", str(base), *common], capture_output=True, text=True
         )
         ppl_f32 = _final(r"Final estimate: PPL = ([\d.]+)", run.stdout + run.stderr)
-        cmd = [str(tool), "-m", str(resolve_model_path(model)), "--kl-divergence-base", str(base), "--kl-divergence"]
+        cmd = [str(tool), "-m", str(quantized), "--kl-divergence-base", str(base), "--kl-divergence"]
         out = subprocess.run([*cmd, *common], capture_output=True, text=True)
     log = out.stdout + out.stderr
     return {
@@ -142,7 +163,10 @@ def main() -> None:
             test_args["kv_cache_dtype"] = args.quantized_kv_cache_dtype
     beside_llama_cpp = not args.no_llama_cpp and args.quantization is None and args.kv_cache_dtype is None
     ids = llama_cpp_tokens(args.model, Path(args.text)) if beside_llama_cpp else None
-    rows = {"baton": baton_figures(args.model, ref_args, test_args, text, args.ctx, args.chunks, ids)}
+    quantized, base = model_files(args.model)
+    # a hybrid file's float model is its BF16 file, as llama.cpp's; a packaged one's, itself dequantized
+    ref_model = str(base) if args.model.partition(":")[0] in hybrid_files.SHAPES and not args.kv_cache_dtype else None
+    rows = {"baton": baton_figures(str(quantized), ref_args, test_args, text, args.ctx, args.chunks, ids, ref_model)}
     if beside_llama_cpp:
         rows["llama.cpp"] = llama_cpp_figures(args.model, Path(args.text), args.ctx, args.chunks)
     from baton.ops import quant_kernel
