@@ -240,9 +240,11 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
             del shapes[name]
         for name, gdn in self.named_modules():
             if isinstance(gdn, GatedDeltaNet):
-                rows = (gdn.conv_dim, gdn.value_dim, gdn.vh, gdn.vh)
-                for part, n in zip(("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), rows):
-                    shapes[f"model.{name}.{part}.weight"] = (n, gdn.in_proj_qkvz.in_features)
+                for part in _SPLIT_PARTS:  # each part's rows: canonical_rows', the one place that knows them
+                    shapes[f"model.{name}.{part}.weight"] = (
+                        len(canonical_rows(gdn, part)),
+                        gdn.in_proj_qkvz.in_features,
+                    )
         return shapes
 
 
@@ -264,7 +266,8 @@ def _language_model(name: str) -> str:
     return name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
 
 
-_GDN_PARTS = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+_SPLIT_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # Qwen3.5's (and llama.cpp's)
+_GDN_PARTS = ("in_proj_qkvz", "in_proj_ba", *_SPLIT_PARTS)  # and Qwen3-Next's interleaved ones
 
 
 def canonical_rows(gdn: GatedDeltaNet, part: str) -> torch.Tensor:
