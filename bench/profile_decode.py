@@ -66,6 +66,7 @@ def main() -> None:
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        max_num_seqs=args.concurrency,  # a big hybrid's 32 default slots of state may not fit the default budget
     )
     engine = llm.engine
     runner, model = engine.runner, engine.model
