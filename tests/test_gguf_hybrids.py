@@ -342,6 +342,7 @@ def test_bad_files_are_refused_naming_the_file_and_the_problem(files, tmp_path):
     _refused(cut, "not a readable GGUF file")
 
 
+@pytest.mark.slow  # 21 s of the default suite's longest file (its worker is the suite's long pole)
 def test_a_file_with_nextn_blocks_keeps_them_aside(files, tmp_path):
     """An MTP block after the trunk (nextn_predict_layers) is not read, and not an error."""
     src = files["qwen3next-moe"][1]
