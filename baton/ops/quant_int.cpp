@@ -3,8 +3,8 @@
 // per 32 values for the 32-value formats, -max / 128 per 256 for the K formats), and the dot products in
 // integers (quant_int_kernels.h): VNNI where the CPU has it, maddubs + madd on AVX2, chosen at run
 // time (set_quant_kernel). Each thread takes a run of groups of 8 output rows (with AVX-512 and more
-// than two rows of x, two groups a call, 16 lanes); a group's blocks are unpacked once for every 4 rows of x. A row's bits
-// depend neither on the other rows nor on the instruction set.
+// than kStreamRows rows of x, two groups a call, 16 lanes); a group's blocks are unpacked once for
+// every 4 rows of x. A row's bits depend neither on the other rows nor on the instruction set.
 #include "quant_linear.h"
 
 #include "cpu_vec.h"
@@ -83,6 +83,7 @@ constexpr int64_t kRows = 4;                      // rows of x per pass over a g
 constexpr int64_t kRowBlockBytes = 256 * 1024;    // quantized x rows a pass keeps in L2
 
 constexpr int64_t kGroup = 8;                     // output rows of a group, one per lane
+constexpr int64_t kStreamRows = 2;                // rows of x up to which a call is bound by memory
 
 // (block bytes, the group's blocks, the next group's `gs` bytes on, blocks, K parts, x, y, y's row
 // stride, outputs, bias)
@@ -286,9 +287,9 @@ torch::Tensor quant_int_linear(const torch::Tensor& x, const torch::Tensor& weig
     bias = padded_bias.data();
   }
   // groups a kernel call takes (the last may take one): two side by side read two streams, which
-  // a call of one or two rows (decode), bound by memory, reads slower than one (Q6_K 23 vs 29 GB/s
-  // from DRAM on Zen 4); more rows are bound by the arithmetic, where 16 lanes pay
-  const int64_t span = isa.pairs[0] && rows > 2 ? 2 : 1;
+  // a call bound by memory (decode's few rows) reads slower than one (Q6_K 23 vs 29 GB/s from DRAM
+  // on Zen 4); more rows are bound by the arithmetic, where 16 lanes pay
+  const int64_t span = isa.pairs[0] && rows > kStreamRows ? 2 : 1;
   const int64_t block_rows = std::max<int64_t>(kRows, kRowBlockBytes / k_dim / kRows * kRows);
   for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
     const int64_t r1 = std::min(rows, r0 + block_rows);
