@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -135,7 +136,7 @@ def start(peer: str, path: Path, model: str, args: argparse.Namespace, cache: Pa
         # its default 1 GiB budget (start_server's is sized for attention-only KV), half of what the
         # running states leave for state checkpoints: each conversation's resume point is one
         extra = ["--max-num-seqs", str(args.users), "--kv-cache-memory-bytes", str(args.baton_kv_bytes)]
-        extra += ["--state-checkpoint-fraction", "0.5"]
+        extra += ["--state-checkpoint-fraction", "0.5", *shlex.split(args.baton_args)]
         return start_server("baton", model, path, cache, scratch / f"{peer}.log", extra)
     # its defaults with -np as the concurrency: start_server's shared pool (--kv-unified) undone
     extra = ["-np", str(args.users), "-c", str(context), "--no-kv-unified"]
@@ -203,6 +204,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baton-kv-bytes", type=int, default=1 << 30, help="baton's KV + state budget")
+    ap.add_argument("--baton-args", default="", help="more flags for baton serve, as one string")
     ap.add_argument("--peers", nargs="+", default=["baton", "llama.cpp", "llama.cpp-tuned"],
                     choices=["baton", "llama.cpp", "llama.cpp-tuned"])  # fmt: skip
     args = ap.parse_args()

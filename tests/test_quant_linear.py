@@ -167,6 +167,23 @@ def test_int8_kernel_matches_the_formats_spec(qtype, int8_kernel):
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
+def test_int8_kernel_sums_the_largest_codes_exactly(qtype, int8_kernel):
+    """Every code at its format's largest value against x rows of one sign (x's codes at +-127 or
+    -128): AVX2 adds up to 8 of maddubs' int16 pairs before widening, so a bound too loose for
+    the format's codes would overflow here and miss the spec."""
+    values, nbytes = BLOCK_FORMATS[qtype]
+    k = 1024
+    raw = np.full((16, k // values, nbytes), 0xFF, dtype=np.uint8)
+    one = np.array([1.0], dtype=np.float16).view(np.uint8)
+    for off in {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2], "Q5_1": [0, 2]}.get(qtype, [0]):
+        raw[..., off : off + 2] = one
+    x = torch.ones(3, k)
+    x[1] = -1.0
+    x[2, ::2] = 0.5  # codes of both sizes, one sign
+    check_against_spec(x, raw.reshape(16, -1), qtype)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("n", [20, 40])
 def test_every_instruction_set_gives_the_same_bits(qtype, n):
     """AVX-512 takes two groups of 8 outputs a call (16 lanes) and an odd group out alone: 20 outputs

@@ -78,11 +78,58 @@ struct Out {
 template <int R>
 constexpr int kChains = R <= 2 ? 2 : 1;
 
-// acc[c] summed into acc[0]
-template <int C, class I>
-inline I fold_chains(const I* acc) {
-  if constexpr (C == 2) return vadd(acc[0], acc[1]);
-  return acc[0];
+// An int32 sum per lane of 4-byte dot products u · s over add() calls: u unsigned codes below
+// 2^Bits, s int8 (|s| <= 128). With VNNI one dpbusd a call. On AVX2 maddubs' int16 pairs are added
+// in int16 for as many calls as cannot overflow (kRun: 8 for 4-bit codes, 4 for 5-bit, 2 for 6-bit)
+// and widened by one madd per run, not per call: fewer multiplies than maddubs + madd each, the
+// same integers (a prefill row on AVX2 is bound by them). Calls in fully unrolled loops, so the
+// count is known at compile time.
+template <class I, int Bits>
+struct DotAcc {
+  I sum = Lanes<I>::zero();
+#if BATON_VNNI == 0
+  static constexpr int kRun = std::max(1, 32767 / (2 * ((1 << Bits) - 1) * 128));
+  I pairs = Lanes<I>::zero();
+  int n = 0;
+#endif
+  inline void add(I u, I s) {
+#if BATON_VNNI == 0
+    const I p = _mm256_maddubs_epi16(u, s);
+    pairs = n == 0 ? p : _mm256_add_epi16(pairs, p);
+    // the running sum held in a register here: otherwise GCC rebalances a run into a tree whose
+    // products all live at once and spill (a third of Q4_K's instructions were stack moves)
+    __asm__("" : "+x"(pairs));
+    if (++n == kRun) flush();
+#else
+    sum = dpbusd(sum, u, s);
+#endif
+  }
+  // the same for signed codes c: |c| times s with c's sign (Bits 8)
+  inline void add_signed(I c, I s) {
+#if BATON_VNNI == 0
+    add(_mm256_sign_epi8(c, c), _mm256_sign_epi8(s, c));
+#else
+    sum = dpbssd(sum, c, s);
+#endif
+  }
+  inline void flush() {
+#if BATON_VNNI == 0
+    if (n == 0) return;
+    sum = vadd(sum, vmadd16(pairs, _mm256_set1_epi16(1)));
+    n = 0;
+#endif
+  }
+};
+
+// acc[c]'s sums added into one
+template <int C, class I, int Bits>
+inline I fold_chains(DotAcc<I, Bits>* acc) {
+  acc[0].flush();
+  if constexpr (C == 2) {
+    acc[1].flush();
+    return vadd(acc[0].sum, acc[1].sum);
+  }
+  return acc[0].sum;
 }
 
 // Q8_0 (d, 32 int8), Q4_0 (d, nibbles; d * (q - 8)), Q5_0 (d, fifth bits, nibbles; d * (q - 16)),
@@ -99,15 +146,12 @@ void dot_blocks32(const uint8_t* w, int64_t gs, int64_t nb, const XRows& x, Out<
   constexpr bool kFive = K == Kind::kQ5_0 || K == Kind::kQ5_1;
   constexpr int64_t kQs = 2 + (kMin ? 2 : 0) + (kFive ? 4 : 0);
   constexpr int kOffset = K == Kind::kQ4_0 ? 8 : K == Kind::kQ5_0 ? 16 : 0;
+  constexpr int kBits = K == Kind::kQ8_0 ? 8 : kFive ? 5 : 4;
   constexpr int C = kChains<R>;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 8 * Bytes;
     V::prefetch(blk, gs, 8 * Bytes);
-    I isum[R][C];
-    BATON_UNROLL
-    for (int r = 0; r < R; ++r)
-      BATON_UNROLL
-      for (int c = 0; c < C; ++c) isum[r][c] = V::zero();
+    DotAcc<I, kBits> isum[R][C];
     const I qh = kFive ? field_u32<I>(blk, gs, kQs - 4) : V::zero();
     BATON_UNROLL
     for (int k = 0; k < 8; ++k) {  // group k (values 4k .. 4k + 3) of the rows
@@ -122,7 +166,8 @@ void dot_blocks32(const uint8_t* w, int64_t gs, int64_t nb, const XRows& x, Out<
       BATON_UNROLL
       for (int r = 0; r < R; ++r) {
         const I xg = x_group<I>(x.q + r * x.stride + b * 32 + 4 * k);
-        isum[r][k % C] = K == Kind::kQ8_0 ? dpbssd(isum[r][k % C], code, xg) : dpbusd(isum[r][k % C], code, xg);
+        if constexpr (K == Kind::kQ8_0) isum[r][k % C].add_signed(code, xg);
+        else isum[r][k % C].add(code, xg);
       }
     }
     const F d = field_half<I>(blk, gs, 0);
@@ -191,36 +236,26 @@ void dot_k45(const uint8_t* w, int64_t gs, int64_t nb, const XRows& x, Out<R, ty
     I isum[R];
     BATON_UNROLL
     for (int r = 0; r < R; ++r) isum[r] = V::zero();
+    // sub-block j: the low (j even) or high nibbles of bytes [32p, 32p + 32), p = j / 2, in groups t
+    // of 4 values; one sub-block at a time, so only R sums are live (AVX2 has 16 registers)
     BATON_UNROLL
-    for (int p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p + 1 (high), groups t of 4 values
-      I s_lo[R][C], s_hi[R][C];
-      BATON_UNROLL
-      for (int r = 0; r < R; ++r)
-        BATON_UNROLL
-        for (int c = 0; c < C; ++c) s_lo[r][c] = s_hi[r][c] = V::zero();
+    for (int j = 0; j < 8; ++j) {
+      const int p = j / 2;
+      DotAcc<I, Q5 ? 5 : 4> sums[R][C];
       BATON_UNROLL
       for (int t = 0; t < 8; ++t) {
         const I raw = V::load(blk + 8 * (kQs + 32 * p) + 32 * t, gs);
-        I lo = low_nibbles(raw), hi = high_nibbles(raw);
+        I code = j % 2 ? high_nibbles(raw) : low_nibbles(raw);
         if constexpr (Q5) {
-          const I qh = V::load(blk + 8 * 16 + 32 * t, gs), one = V::bytes(1);
-          lo = vor(lo, vsll16(vand(vsrl16(qh, 2 * p), one), 4));
-          hi = vor(hi, vsll16(vand(vsrl16(qh, 2 * p + 1), one), 4));
+          const I qh = V::load(blk + 8 * 16 + 32 * t, gs);
+          code = vor(code, vsll16(vand(vsrl16(qh, j), V::bytes(1)), 4));
         }
         BATON_UNROLL
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xq = x.q + r * x.stride + b * 256 + 64 * p + 4 * t;
-          s_lo[r][t % C] = dpbusd(s_lo[r][t % C], lo, x_group<I>(xq));
-          s_hi[r][t % C] = dpbusd(s_hi[r][t % C], hi, x_group<I>(xq + 32));
-        }
+        for (int r = 0; r < R; ++r) sums[r][t % C].add(code, x_group<I>(x.q + r * x.stride + b * 256 + 32 * j + 4 * t));
       }
-      const I sc_a = byte_of(p < 2 ? sc_lo : sc_hi, (2 * p) % 4);
-      const I sc_b = byte_of(p < 2 ? sc_lo : sc_hi, (2 * p + 1) % 4);
+      const I sc = byte_of(j < 4 ? sc_lo : sc_hi, j % 4);
       BATON_UNROLL
-      for (int r = 0; r < R; ++r) {
-        isum[r] = vadd(isum[r], vmullo(fold_chains<C>(s_lo[r]), sc_a));
-        isum[r] = vadd(isum[r], vmullo(fold_chains<C>(s_hi[r]), sc_b));
-      }
+      for (int r = 0; r < R; ++r) isum[r] = vadd(isum[r], vmullo(fold_chains<C>(sums[r]), sc));
     }
     const F d = field_half<I>(blk, gs, 0);
     BATON_UNROLL
@@ -267,33 +302,26 @@ void dot_q6_k(const uint8_t* w, int64_t gs, int64_t nb, const XRows& x, Out<R, t
       for (int h = 0; h < 2; ++h) {    // sub-blocks 8n + 2g + h: 4-value groups tt = 4h .. 4h + 3 of each g
         BATON_UNROLL
         for (int e = 0; e < 2; ++e) {  // g = e and e + 2: the low and high nibbles of the same ql bytes
-          I acc[R][2][C];
           BATON_UNROLL
-          for (int r = 0; r < R; ++r)
+          for (int u = 0; u < 2; ++u) {  // one of them at a time, so only R sums are live (AVX2)
+            DotAcc<I, 6> acc[R][C];
             BATON_UNROLL
-            for (int c = 0; c < C; ++c) acc[r][0][c] = acc[r][1][c] = V::zero();
-          BATON_UNROLL
-          for (int t = 0; t < 4; ++t) {
-            const int tt = 4 * h + t;
-            const I l = V::load(blk + 8 * (64 * n + 16 * (tt / 4 + 2 * e)) + 32 * (tt % 4), gs);
-            const I qh = V::load(blk + 8 * (128 + 32 * n + 16 * (tt / 4)) + 32 * (tt % 4), gs);
-            // qh's bits 2g, 2g + 1 to bits 4, 5 of each byte (16-bit shifts: what crosses a byte is masked off)
-            const I code_lo = vor(low_nibbles(l), vand(e == 0 ? vsll16(qh, 4) : vsll16(qh, 2), mask));
-            const I code_hi = vor(high_nibbles(l), vand(e == 0 ? qh : vsrl16(qh, 2), mask));
-            BATON_UNROLL
-            for (int r = 0; r < R; ++r) {
-              const int8_t* xq = x.q + r * x.stride + b * 256 + 128 * n + 32 * e + 4 * tt;
-              acc[r][0][t % C] = dpbusd(acc[r][0][t % C], code_lo, x_group<I>(xq));
-              acc[r][1][t % C] = dpbusd(acc[r][1][t % C], code_hi, x_group<I>(xq + 64));
+            for (int t = 0; t < 4; ++t) {
+              const int tt = 4 * h + t;
+              const I l = V::load(blk + 8 * (64 * n + 16 * (tt / 4 + 2 * e)) + 32 * (tt % 4), gs);
+              const I qh = V::load(blk + 8 * (128 + 32 * n + 16 * (tt / 4)) + 32 * (tt % 4), gs);
+              // qh's bits 2g, 2g + 1 to bits 4, 5 of each byte (16-bit shifts: what crosses a byte is masked off)
+              const I code = u == 0 ? vor(low_nibbles(l), vand(e == 0 ? vsll16(qh, 4) : vsll16(qh, 2), mask))
+                                    : vor(high_nibbles(l), vand(e == 0 ? qh : vsrl16(qh, 2), mask));
+              BATON_UNROLL
+              for (int r = 0; r < R; ++r)
+                acc[r][t % C].add(code, x_group<I>(x.q + r * x.stride + b * 256 + 128 * n + 32 * e + 64 * u + 4 * tt));
             }
-          }
-          BATON_UNROLL
-          for (int u = 0; u < 2; ++u) {
             const int s = 8 * n + 2 * (e + 2 * u) + h;  // the sub-block: scale byte s % 4 of dword s / 4
             const I sd = field_u32<I>(blk, gs, 192 + 4 * (s / 4));
             const I sc = vsra32(vsll32(sd, 24 - 8 * (s % 4)), 24);
             BATON_UNROLL
-            for (int r = 0; r < R; ++r) isum[r] = vadd(isum[r], vmullo(fold_chains<C>(acc[r][u]), sc));
+            for (int r = 0; r < R; ++r) isum[r] = vadd(isum[r], vmullo(fold_chains<C>(acc[r]), sc));
           }
         }
       }
