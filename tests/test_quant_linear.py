@@ -119,14 +119,18 @@ def check_against_spec(x: torch.Tensor, rows: np.ndarray, qtype: str) -> None:
     assert (np.abs(y - expected) <= bound + 1e-30).all(), np.abs(y - expected).max()
 
 
+def scale_offsets(qtype: str) -> list[int]:
+    """Where a block of `qtype` holds its fp16 scales (d, and m or dmin)."""
+    return {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2], "Q5_1": [0, 2]}.get(qtype, [0])
+
+
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
     """Random bytes in `qtype`'s blocks with finite fp16 scales spanning 2^-24 .. 2^15."""
     values, nbytes = BLOCK_FORMATS[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n, k // values, nbytes), dtype=np.uint8)
     scales = (rng.choice([2.0**-24, 2.0**-14, 1e-3, 1.0, 3e2, 2.0**15], size=(n, k // values, 2))).astype(np.float16)
-    offsets = {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2], "Q5_1": [0, 2]}.get(qtype, [0])
-    for i, off in enumerate(offsets):
+    for i, off in enumerate(scale_offsets(qtype)):
         raw[..., off : off + 2] = scales[..., i : i + 1].view(np.uint8)
     return raw.reshape(n, -1)
 
@@ -175,7 +179,7 @@ def test_int8_kernel_sums_the_largest_codes_exactly(qtype, int8_kernel):
     k = 1024
     raw = np.full((16, k // values, nbytes), 0xFF, dtype=np.uint8)
     one = np.array([1.0], dtype=np.float16).view(np.uint8)
-    for off in {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2], "Q5_1": [0, 2]}.get(qtype, [0]):
+    for off in scale_offsets(qtype):
         raw[..., off : off + 2] = one
     x = torch.ones(3, k)
     x[1] = -1.0

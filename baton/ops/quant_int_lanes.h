@@ -71,15 +71,13 @@ inline __m256 vaddf(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
 inline __m256 vfma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 inline __m256 vfnma(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
 
-// acc + (lane l: sum over k < 4 of u[4l + k] * s[4l + k]), u unsigned, s signed bytes (every
-// pair of products stays inside int16, which maddubs needs)
+#if BATON_VNNI != 0  // AVX2 alone sums through maddubs (DotAcc, quant_int_kernels.h)
+// acc + (lane l: sum over k < 4 of u[4l + k] * s[4l + k]), u unsigned, s signed bytes
 inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #if BATON_VNNI == 1
   return _mm256_dpbusd_epi32(acc, u, s);
-#elif BATON_VNNI == 2
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
 #endif
 }
 
@@ -87,6 +85,7 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 inline __m256i dpbssd(__m256i acc, __m256i c, __m256i x) {
   return dpbusd(acc, _mm256_sign_epi8(c, c), _mm256_sign_epi8(x, c));
 }
+#endif
 
 #if BATON_VNNI == 1
 template <>
