@@ -135,8 +135,10 @@ class CacheConfig:
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 1024
-    """Token budget of one step: prefill chunks and decodes share it."""
+    max_num_batched_tokens: int = 256
+    """Token budget of one step: prefill chunks and decodes share it. 256 on the CPU: a step then
+    takes about as long as a few decode steps, so the running chats' next tokens are not held
+    behind a long prompt's prefill (bench/README.md, the chat trace)."""
     max_model_len: int | None = None
     """Defaults to the model's max_position_embeddings, capped by what the KV budget holds."""
 

@@ -60,7 +60,8 @@ def llama(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "kv_dtype,length",
-    [("float32", 1000), ("bfloat16", 1000), ("fp8", 1000)]
+    [("fp8", 1000)]
+    + [pytest.param(d, 1000, marks=pytest.mark.slow) for d in ("float32", "bfloat16")]
     + [pytest.param(d, 7900, marks=pytest.mark.slow) for d in ("float32", "bfloat16", "fp8")],
 )
 def test_a_restarted_engine_resumes_from_the_disk_tier_with_a_cold_engines_tokens(tmp_path, kv_dtype, length):
@@ -237,6 +238,7 @@ def _written(server: ServerProcess, response: dict) -> None:
 PROMPT = " ".join(f"item {i} of the list is {i * 7 % 13}." for i in range(120))
 
 
+@pytest.mark.slow  # four servers one after another: 53 s of the default suite
 def test_two_servers_share_a_disk_tier_and_two_with_their_own_disks_share_redis(tmp_path, redis_url):  # noqa: F811
     env = {"BATON_KV_TIER_SECRET": SECRET}
     disk = ["--kv-tier", f"disk:{tmp_path / 'shared'}"]

@@ -96,6 +96,7 @@ def test_int8_kernels_give_one_ranks_bits_over_two_ranks(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(logits1, logits2))
 
 
+@pytest.mark.slow  # 16-19 s: two ranks of a model built for it
 def test_random_llama_with_fewer_kv_heads_than_ranks(tmp_path):
     _, path = make_model(tmp_path, "LlamaForCausalLM", num_key_value_heads=1, tie_word_embeddings=False)
     ids = [

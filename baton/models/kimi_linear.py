@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.spec import LayerKind
@@ -32,7 +31,7 @@ from baton.models.model_config import TextModelConfig
 from baton.models.moe import MLP, GroupedSigmoidMoE
 from baton.models.recurrent import conv_over_segments, scan_over_segments, segments
 from baton.models.weight_map import PartsWeightMap, kda_parts
-from baton.ops import ops
+from baton.ops import ops, sigmoid, silu, softplus
 
 
 def _get(hf: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -119,18 +118,18 @@ class KimiDeltaAttention(nn.Module):
         (conv_state, rec_state), (conv_ckpt, rec_ckpt) = ctx.states.layer(self.layer_id)
         segs = list(segments(ctx.state_meta))
         conv_out = conv_over_segments(qkv, segs, conv_state, conv_ckpt, self.conv_weight, None)
-        q, k, v = F.silu(conv_out).float().view(n, 3, h, d).unbind(1)
+        q, k, v = silu(conv_out).float().view(n, 3, h, d).unbind(1)
         q, k = l2norm(q) * d**-0.5, l2norm(k)
         raw = self.f_b_proj(f_a.contiguous()).float().view(n, h, d) + self.dt_bias.float().view(h, d)
         if self.lower_bound is None:
-            decay = -self.A_log.float().exp()[:, None] * F.softplus(raw)  # [n, h, d]: per key channel
+            decay = -self.A_log.float().exp()[:, None] * softplus(raw)  # [n, h, d]: per key channel
         else:
-            decay = self.lower_bound * torch.sigmoid(self.A_log.float().exp()[:, None] * raw)
-        beta = b.float().sigmoid()
+            decay = self.lower_bound * sigmoid(self.A_log.float().exp()[:, None] * raw)
+        beta = sigmoid(b.float())
         out = scan_over_segments(q, k, v, decay, beta, segs, rec_state, rec_ckpt)
         gate = self.g_b_proj(g_a.contiguous()).float().view(n, h, d)
         out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
-        return self.o_proj((out * gate.sigmoid()).to(x.dtype).reshape(n, -1))
+        return self.o_proj((out * sigmoid(gate)).to(x.dtype).reshape(n, -1))
 
     def decode_step(self, binding: StepBinding):
         """This layer as a fused decoder's step (baton/ops/kda_layer.cpp); None without

@@ -275,6 +275,29 @@ class GGUFCache:
         write_atomically(self.meta_file, lambda tmp: tmp.write_text(json.dumps(meta)))
 
 
+def materialize_(net: torch.nn.Module, dtype: torch.dtype) -> None:
+    """A model built on the meta device given uninitialised CPU tensors (as `to_empty(device="cpu")
+    .to(dtype)`), floating ones in `dtype`, tied parameters kept one object. to_empty goes through
+    torch's reference empty_like, whose first call imports torch.fx's symbolic shapes: 2.5 s of
+    every start."""
+    made: dict[int, torch.Tensor] = {}
+
+    def cpu(t: torch.Tensor, parameter: bool) -> torch.Tensor:
+        if id(t) not in made:
+            want = dtype if t.is_floating_point() else t.dtype
+            new = torch.empty(t.shape, dtype=want) if t.is_meta else t.to(want)
+            made[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if parameter else new
+        return made[id(t)]
+
+    for module in net.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = cpu(p, True)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = cpu(b, False)
+
+
 def load_model(
     model: str, dtype: torch.dtype, cache_dir: Path | None = None, progress: bool = True, keep_blocks: bool = False
 ) -> LoadedModel:
@@ -290,7 +313,7 @@ def load_model(
     cfg = parse_hf_config(source.config, source.architecture, getattr(cls, "layer_kinds_from", None))
     with torch.device("meta"):
         net = cls(cfg)
-    net = net.to_empty(device="cpu").to(dtype)
+    materialize_(net, dtype)
     # a multimodal checkpoint served as text: its vision tower's (and unused MTP layers') weights are not read
     skipped = getattr(net, "skipped_weights", ())
     header = {name: v for name, v in source.header().items() if not (skipped and name.startswith(skipped))}

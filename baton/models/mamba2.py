@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.spec import LayerKind
@@ -20,7 +19,7 @@ from baton.models.gguf_arch import Value, float_op, reshaped
 from baton.models.layers import unwrapped
 from baton.models.llama import ForwardContext
 from baton.models.recurrent import conv_over_segments, scan_over_segments, segments
-from baton.ops import ops
+from baton.ops import ops, silu, softplus
 
 NORM_MODES = ("none", "after_gate", "before_gate")  # the step's `norm` argument: the index
 
@@ -138,23 +137,23 @@ class Mamba2Mixer(nn.Module):
         weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
         segs = list(segments(ctx.state_meta))
         conv_out = conv_over_segments(xbc, segs, conv_state, conv_ckpt, weight, bias)
-        xs, b, c = torch.split(F.silu(conv_out).float(), [self.inner, g * n, g * n], dim=1)
+        xs, b, c = torch.split(silu(conv_out).float(), [self.inner, g * n, g * n], dim=1)
         xs = xs.view(t, nh, p)
         b = b.view(t, g, n).repeat_interleave(nh // g, dim=1)  # head h reads group h // (nh / g)
         c = c.view(t, g, n).repeat_interleave(nh // g, dim=1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dt_min, self.dt_max)  # [T, nh]
+        dt = softplus(dt.float() + self.dt_bias.float()).clamp(self.dt_min, self.dt_max)  # [T, nh]
         decay = dt * -self.A_log.float().exp()
         v = xs * dt[..., None]
         y = scan_over_segments(c, b, v, decay, None, segs, ssm_state, ssm_ckpt)
         y = (y + self.D.float()[:, None] * xs).reshape(t, self.inner)
         if self.norm_mode != "before_gate":
-            y = y * F.silu(z.float())
+            y = y * silu(z.float())
         if self.norm_mode != "none":
             y = y.view(t, g, -1)  # RMSNorm per group, in float32
             y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(t, -1)
             y = self.norm.weight.float() * y
         if self.norm_mode == "before_gate":
-            y = y * F.silu(z.float())
+            y = y * silu(z.float())
         return self.out_proj(y.to(x.dtype))
 
     def decode_step(self, binding: StepBinding):

@@ -10,7 +10,7 @@ from torch import nn
 from baton.models.fused_decode import StepBinding, gated_mlp_step, packed_only, plain_float32
 from baton.models.layers import PackedLinear, gated_activation
 from baton.models.model_config import TextModelConfig
-from baton.ops import ops
+from baton.ops import ops, row_linear, sigmoid, silu
 
 
 class MLP(nn.Module):
@@ -28,7 +28,7 @@ class MLP(nn.Module):
             return self.down_proj(gated_activation(self.gate_up_proj(x), False))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         limit = self.swiglu_limit
-        return self.down_proj(F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit))
+        return self.down_proj(silu(gate.clamp(max=limit)) * up.clamp(-limit, limit))
 
     def decode_step(self, binding: StepBinding):
         """This MLP as a fused decoder's step; None unless its projections run on the packed kernels."""
@@ -92,7 +92,7 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                shared = sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
 
@@ -178,7 +178,7 @@ class SigmoidRouter(nn.Module):
         """This router's arguments to the fused MoE step (ops().MoeStep)."""
         return {
             "hidden": self.weight.shape[1],
-            "router_weight": self.weight,  # F.linear's very operand: plain, never packed
+            "router_weight": self.weight,  # row_linear's operand: plain, never packed
             "correction_bias": self.e_score_correction_bias.float().contiguous(),
             "top_k": self.top_k,
             "n_group": self.n_group,
@@ -190,7 +190,7 @@ class SigmoidRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32, expert ids), both [T, top_k]."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        scores = sigmoid(row_linear(x.float(), self.weight.float()))
         choice = scores + self.e_score_correction_bias.float()
         t, g = x.shape[0], self.n_group
         if g > 1:  # one group is always kept

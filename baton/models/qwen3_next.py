@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.kv.spec import LayerKind
@@ -26,7 +25,7 @@ from baton.models.model_config import TextModelConfig
 from baton.models.moe import SparseMoE, dense_mlp
 from baton.models.recurrent import conv_over_segments, scan_over_segments, segments
 from baton.models.rope import Rotary
-from baton.ops import ops
+from baton.ops import ops, sigmoid, silu, softplus
 
 
 def layer_kinds(hf: dict[str, Any]) -> list[LayerKind]:
@@ -54,7 +53,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """RMSNorm(x) * weight * silu(gate), in float32 (Qwen3-Next's RMSNormGated)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+    return (weight * h.to(x.dtype) * silu(gate.float())).to(x.dtype)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -93,14 +92,14 @@ class GatedDeltaNet(nn.Module):
         (conv_state, rec_state), (conv_ckpt, rec_ckpt) = ctx.states.layer(self.layer_id)
         weight = self.conv1d.weight[:, 0]
         segs = list(segments(ctx.state_meta))
-        conv_out = F.silu(conv_over_segments(mixed, segs, conv_state, conv_ckpt, weight, None))
+        conv_out = silu(conv_over_segments(mixed, segs, conv_state, conv_ckpt, weight, None))
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=1)
         r = self.vh // self.kh
         q = l2norm(q.float().view(n, self.kh, self.dk)).repeat_interleave(r, dim=1) * self.dk**-0.5
         k = l2norm(k.float().view(n, self.kh, self.dk)).repeat_interleave(r, dim=1)
         v = v.float().view(n, self.vh, self.dv)
-        beta = b.float().sigmoid()
-        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        beta = sigmoid(b.float())
+        decay = -self.A_log.float().exp() * softplus(a.float() + self.dt_bias.float())
         out = scan_over_segments(q, k, v, decay, beta, segs, rec_state, rec_ckpt)
         out = gated_rms_norm(out.to(x.dtype), z.view(n, self.vh, self.dv), self.norm.weight, self.eps)
         return self.out_proj(out.reshape(n, -1))
@@ -158,7 +157,7 @@ class GatedAttention(nn.Module):
         q, k = partial_rotary(q, *rope), partial_rotary(k, *rope)
         cache, meta = ctx.for_layer(self.layer_id)
         out = paged_attention(q, k, v, cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
+        return self.o_proj(out.reshape(n, -1) * sigmoid(gate))
 
     def decode_step(self, binding: StepBinding):
         """This attention as a fused decoder's step (output gate, partial rotary as forward's torch

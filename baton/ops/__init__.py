@@ -257,6 +257,36 @@ def gated_act(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     return ops().gated_act(gate_up, gelu_tanh)
 
 
+def pointwise(x: torch.Tensor, op: str) -> torch.Tensor:
+    """silu, sigmoid or softplus (beta 1, threshold 20) of x. In float32 every element goes through
+    the vector function, so its bits are its value's alone: torch's own kernels take a tensor's
+    tail element by element through libm, which makes a row's bits depend on its batch."""
+    if x.dtype == torch.float32:
+        return ops().pointwise(x, op)
+    return {"silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid, "softplus": torch.nn.functional.softplus}[op](x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return pointwise(x, "silu")
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return pointwise(x, "sigmoid")
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    return pointwise(x, "softplus")
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T with every output one dot product in a fixed order, whatever the row count (torch's
+    linear picks its blocking by it): x [T, K], W [N, K]; or per head x [T, H, K], W [H, N, K].
+    float32, for the small products the packed linears do not hold (routers, MLA's absorbed heads)."""
+    if x.dtype != torch.float32:
+        return torch.einsum("thk,hnk->thn", x, weight) if x.dim() == 3 else torch.nn.functional.linear(x, weight)
+    return ops().row_linear(x, weight.contiguous())
+
+
 def hc_weights(
     mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

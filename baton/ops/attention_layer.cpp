@@ -150,7 +150,7 @@ class AttentionStep : public LayerStep {
     }
     if (gate.defined()) {  // torch.sigmoid(gate): gate's rows are apart in the module path where a head is alone
       float* gp = gate.data_ptr<float>();
-      torch_unary(gp, gp, n, q_size, num_heads_ > 1, Sigmoid());
+      vec_unary(gp, gp, n * q_size, Sigmoid());
     }
     watch.lap(StepPart::kNorms);
     const int64_t g = group_;

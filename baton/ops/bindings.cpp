@@ -37,6 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_heads_", &rms_norm_heads_, "RMS norm of each head, in place", release());
   m.def("rotary_", &rotary_, "rotary embedding in place", release());
   m.def("gated_act", &gated_act, "act(gate) * up", release());
+  m.def("pointwise", &pointwise, "silu, sigmoid or softplus, each element alone", release());
+  m.def("row_linear", &row_linear, "x W^T (per head), a fixed order per output", release());
   m.def("hc_weights", &hc_weights, "a hyper-connection's pre, post and Sinkhorn comb weights", release());
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "-inf where a row's token bitmask is clear", release());
   m.def("empty_huge_pages", &empty_huge_pages, "uninitialized bytes on transparent huge pages", release());

@@ -60,12 +60,12 @@ GdnGates gdn_gates(const GdnShape& s, const torch::Tensor& qkvz, const torch::Te
     std::memcpy(bp + t * vh, bap + t * 2 * vh, vh * sizeof(float));
     for (int64_t j = 0; j < vh; ++j) dp[t * vh + j] = bap[t * 2 * vh + vh + j] + dt[j];  // a + dt_bias
   }
-  torch_unary(bp, bp, n, vh, false, Sigmoid());
-  torch_unary(dp, dp, n, vh, true, Softplus());  // a + dt_bias is a fresh contiguous tensor
+  vec_unary(bp, bp, n * vh, Sigmoid());
+  vec_unary(dp, dp, n * vh, Softplus());
   const float* nea = neg_exp_a.data_ptr<float>();
   for (int64_t t = 0; t < n; ++t)
     for (int64_t j = 0; j < vh; ++j) dp[t * vh + j] = nea[j] * dp[t * vh + j];
-  torch_unary(zp, zp, n, value_dim, false, Silu());  // F.silu(gate) of the gated norm
+  vec_unary(zp, zp, n * value_dim, Silu());  // F.silu(gate) of the gated norm
   return {z, beta, decay};
 }
 

@@ -56,12 +56,13 @@ class KdaStep : public RecurrentStep {
     const auto l2norm = [](const torch::Tensor& x) { return x / torch::sqrt((x * x).sum(-1, true) + 1e-6); };
     const torch::Tensor q = l2norm(qkv[0]) * std::pow(static_cast<double>(d), -0.5), k = l2norm(qkv[1]);
     const torch::Tensor raw = f_b_(parts[1].contiguous()).view({n, h, d}) + dt_bias_.view({h, d});
-    const torch::Tensor decay = exp_a_.defined() ? torch::sigmoid(exp_a_.unsqueeze(1) * raw) * lower_bound_
-                                                 : neg_exp_a_.unsqueeze(1) * at::softplus(raw);
-    torch::Tensor out = recurrent_step_(q, k, qkv[2], decay, parts[3].sigmoid(), state_.rec, step.state_slots);
+    const torch::Tensor decay = exp_a_.defined() ? vec_unary(exp_a_.unsqueeze(1) * raw, Sigmoid()) * lower_bound_
+                                                 : neg_exp_a_.unsqueeze(1) * vec_unary(raw, Softplus());
+    torch::Tensor out =
+        recurrent_step_(q, k, qkv[2], decay, vec_unary(parts[3], Sigmoid()), state_.rec, step.state_slots);
     const torch::Tensor gate = g_b_(parts[2].contiguous()).view({n, h, d});
     out = out * torch::rsqrt(out.pow(2).mean(-1, true) + eps_) * o_norm_;
-    return (out * gate.sigmoid()).reshape({n, hd});
+    return (out * vec_unary(gate, Sigmoid())).reshape({n, hd});
   }
 
   KdaShape s_;

@@ -53,7 +53,7 @@ torch::Tensor mamba_ssm_(const MambaShape& s, const MambaWeights& w, const torch
   const float* nea = w.neg_exp_a.data_ptr<float>();
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t h = 0; h < nh; ++h) dtp[t * nh + h] = zp[t * width + inner + channels + h] + dtb[h];
-  torch_unary(dtp, dtp, rows, nh, true, Softplus());
+  vec_unary(dtp, dtp, rows * nh, Softplus());
   const float dt_min = static_cast<float>(w.dt_min), dt_max = static_cast<float>(w.dt_max);
   for (int64_t i = 0; i < rows * nh; ++i) {
     if (dtp[i] < dt_min) dtp[i] = dt_min;
@@ -73,7 +73,7 @@ torch::Tensor mamba_ssm_(const MambaShape& s, const MambaWeights& w, const torch
   torch::Tensor gate = torch::empty({rows, inner}, opts);
   float* gp = gate.data_ptr<float>();
   for (int64_t t = 0; t < rows; ++t) std::memcpy(gp + t * inner, zp + t * width, inner * sizeof(float));
-  torch_unary(gp, gp, rows, inner, false, Silu());
+  vec_unary(gp, gp, rows * inner, Silu());
   const float* dd = w.d.data_ptr<float>();
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t h = 0; h < nh; ++h)

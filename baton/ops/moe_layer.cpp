@@ -77,7 +77,7 @@ void check_sigmoid_router(const SigmoidRouter& r, int64_t hidden) {
 
 MoeRouting sigmoid_route(const torch::Tensor& x, const SigmoidRouter& r) {
   const int64_t t = x.size(0), experts = r.weight.size(0), g = r.n_group;
-  const torch::Tensor scores = at::linear(x, r.weight).sigmoid();
+  const torch::Tensor scores = vec_unary(row_linear(x, r.weight), Sigmoid());
   torch::Tensor choice = scores + r.correction_bias;
   if (g > 1) {  // one group is always kept
     const torch::Tensor group_scores = std::get<0>(choice.view({t, g, -1}).topk(2, -1)).sum(-1);
@@ -225,7 +225,7 @@ class MoeStep : public LayerStep {
     const int64_t n = x.size(0), hidden = x.size(1);
     torch::Tensor gate = shared_gate_(x);
     float* gp = gate.data_ptr<float>();
-    torch_unary(gp, gp, n, 1, true, Sigmoid());
+    vec_unary(gp, gp, n, Sigmoid());
     float* outp = out.data_ptr<float>();
     const float* sp = shared.data_ptr<float>();
     for (int64_t t = 0; t < n; ++t)

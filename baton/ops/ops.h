@@ -3,6 +3,7 @@
 // the fused decoder's layer steps (fused_decoder.h).
 #include <torch/types.h>
 
+#include <string>
 #include <vector>
 
 #include "fp8_kv.h"
@@ -45,6 +46,11 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
 void rms_norm_heads_(torch::Tensor& x, const torch::Tensor& weight, double eps, double offset);
 void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor gated_act(const torch::Tensor& x, bool gelu_tanh);
+// silu, sigmoid or softplus of float32 x, an element's bits its value's alone (step_common.cpp)
+torch::Tensor pointwise(const torch::Tensor& x, const std::string& op);
+// x W^T, each output one dot product in a fixed order: x [rows, k] and W [n, k], or per head
+// x [rows, heads, k] and W [heads, n, k] (pointwise.cpp)
+torch::Tensor row_linear(const torch::Tensor& x, const torch::Tensor& w);
 // a hyper-connection's pre [T, n], post [T, n] and doubly stochastic comb [T, n, n] (pointwise.cpp)
 std::vector<torch::Tensor> hc_weights(const torch::Tensor& mixed, const torch::Tensor& base, const torch::Tensor& scale,
                                       int64_t n, int64_t iters, double eps);

@@ -286,7 +286,7 @@ torch::Tensor causal_conv_(const torch::Tensor& proj, const std::vector<int64_t>
                                                  src[t * src_stride + columns[c]], b ? b[c] : 0.f);
     }
   });
-  if (silu) torch_unary(out, out, rows, channels, true, Silu());
+  if (silu) vec_unary(out, out, rows * channels, Silu());
   return conv;
 }
 
@@ -324,5 +324,12 @@ void RecurrentStep::read_conv_state(StepArgs& a, std::vector<int64_t> conv_colum
 torch::Tensor swiglu(const torch::Tensor& x, bool gelu_tanh, double limit) {
   if (limit <= 0) return gated_act(x, gelu_tanh);
   const std::vector<torch::Tensor> halves = x.chunk(2, -1);
-  return at::silu(halves[0].clamp_max(limit)) * halves[1].clamp(-limit, limit);
+  return vec_unary(halves[0].clamp_max(limit), Silu()) * halves[1].clamp(-limit, limit);
+}
+
+torch::Tensor pointwise(const torch::Tensor& x, const std::string& op) {
+  if (op == "silu") return vec_unary(x, Silu());
+  if (op == "sigmoid") return vec_unary(x, Sigmoid());
+  if (op == "softplus") return vec_unary(x, Softplus());
+  TORCH_CHECK(false, "unknown pointwise op '", op, "': silu, sigmoid or softplus");
 }

@@ -1,11 +1,8 @@
 #pragma once
 // torch's ops replicated with torch's own rounding, for the fused decoder's layer steps
 // (fused_decoder.h), whose rows must have the bits of the module path's torch ops:
-//  - elementwise ops (sigmoid, silu, softplus) as torch's cpu_kernel_vec runs them: over the
-//    tensor's contiguous runs, two vectors at a time with the vector function (Sleef), the tail
-//    element by element with the scalar one (libm), split across threads as at::parallel_for
-//    splits them. Which element takes which path depends on the batch, so the replica runs over
-//    the same batch-wide tensor the module path builds;
+//  - elementwise ops (sigmoid, silu, softplus): torch's vector functions (Sleef) on every element,
+//    which the module path runs through ops().pointwise too;
 //  - sums over the last dim (l2norm, the gated norm's mean, the top-k renormalisation) in the
 //    order of torch's cascade sum, whose CPU kernel has no AVX-512 build: 8 lanes;
 //  - softmax with the vectorised functional helpers torch's softmax kernel runs;
@@ -15,6 +12,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
+#include <torch/types.h>
 
 #include <algorithm>
 #include <array>
@@ -36,50 +34,44 @@ inline constexpr int64_t kVS = Vec::size();
 
 // ---- elementwise ops -------------------------------------------------------------------------
 
-// cpu_kernel_vec's vectorized_loop over n contiguous floats
+// y = op(x) over n contiguous floats (y may be x), every element through the vector function (the
+// tail as a partial vector), so an element's bits depend on its value alone: never on the batch,
+// on its position in the tensor or on how the threads split the range. torch's own cpu_kernel_vec
+// takes a run's tail element by element with libm, which would make a row's bits depend on its
+// batch; the module path calls these through ops().pointwise.
 template <typename Op>
-inline void torch_vloop(const float* x, float* y, int64_t n, const Op& op) {
-  int64_t i = 0;
-  for (; i <= n - 2 * kVS; i += 2 * kVS) {
-    const Vec a = op(Vec::loadu(x + i)), b = op(Vec::loadu(x + i + kVS));
-    a.store(y + i);
-    b.store(y + i + kVS);
-  }
-  for (; i < n; ++i) y[i] = op(x[i]);
-}
-
-// y = op(x) for x [rows, m] contiguous (y may be x), as torch runs it over a tensor of that shape
-// whose rows are `coalesced` (one run of rows * m elements) or apart (a run per row).
-template <typename Op>
-void torch_unary(const float* x, float* y, int64_t rows, int64_t m, bool coalesced, const Op& op) {
-  const int64_t total = rows * m;
-  if (total == 0) return;
-  coalesced = coalesced || rows == 1;
-  at::parallel_for(0, total, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
-    if (coalesced) {
-      torch_vloop(x + begin, y + begin, end - begin, op);
-      return;
-    }
-    for (int64_t i = begin; i < end;) {
-      const int64_t stop = std::min(end, (i / m + 1) * m);
-      torch_vloop(x + i, y + i, stop - i, op);
-      i = stop;
+void vec_unary(const float* x, float* y, int64_t n, const Op& op) {
+  at::parallel_for(0, (n + kVS - 1) / kVS, at::internal::GRAIN_SIZE / kVS, [&](int64_t begin, int64_t end) {
+    for (int64_t v = begin; v < end; ++v) {
+      const int64_t i = v * kVS, k = std::min(kVS, n - i);
+      if (k == kVS)
+        op(Vec::loadu(x + i)).store(y + i);
+      else
+        op(Vec::loadu(x + i, k)).store(y + i, k);
     }
   });
 }
 
-struct Sigmoid {  // torch.sigmoid
+struct Sigmoid {  // torch.sigmoid's vector function
   Vec operator()(Vec a) const { return (Vec(1.f) + (Vec(0.f) - a).exp()).reciprocal(); }
-  float operator()(float a) const { return 1.f / (1.f + std::exp(-a)); }
 };
-struct Silu {  // F.silu
+struct Silu {  // F.silu's
   Vec operator()(Vec a) const { return a / (Vec(1.f) + a.neg().exp()); }
-  float operator()(float a) const { return a / (1.f + std::exp(-a)); }
 };
-struct Softplus {  // F.softplus, beta 1, threshold 20
+struct Softplus {  // F.softplus's, beta 1, threshold 20
   Vec operator()(Vec a) const { return Vec::blendv(a.exp().log1p(), a, a > Vec(20.f)); }
-  float operator()(float a) const { return a > 20.f ? a : static_cast<float>(std::log1p(std::exp(a))); }
 };
+
+// op(x) as a new float32 tensor of x's shape
+template <typename Op>
+at::Tensor vec_unary(const at::Tensor& x, const Op& op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "x must be float32 on the CPU, got ",
+              x.scalar_type());
+  const at::Tensor c = x.contiguous();
+  at::Tensor y = at::empty_like(c);
+  vec_unary(c.data_ptr<float>(), y.data_ptr<float>(), c.numel(), op);
+  return y;
+}
 
 // ---- sums over the last dim ------------------------------------------------------------------
 
