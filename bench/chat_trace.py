@@ -229,7 +229,12 @@ def main() -> None:
                 stop_servers([server])
             settings[peer] = server.settings()
             runs[peer].append(run)
-            print(f"round {r + 1} {peer}: wall {run.wall:.1f} s", flush=True)
+            one = summarize([run])
+            print(
+                f"round {r + 1} {peer}: wall {run.wall:.1f} s, turns >= 2 TTFT {one['later_ttft']:.2f} s, "
+                f"computed {one['computed']:,} of {one['prompt']:,}, peak {run.peak_rss_mib:,.0f} MiB",
+                flush=True,
+            )
     report({p: summarize(v) for p, v in runs.items()}, settings, args, path)
 
 
