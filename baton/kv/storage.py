@@ -93,9 +93,9 @@ class KVStorage:
                 self.k_scale.append(torch.zeros((len(held), n, g.num_kv_heads), device=device))
                 self.v_scale.append(torch.zeros((len(held), n, g.num_kv_heads), device=device))
             dims = {"L": len(held), "T": n * g.rows_per_block(spec.block_size), "H": g.num_kv_heads, "D": g.head_dim}
-            self.k.append(_zeros(tuple(dims[a] for a in self.span_layout), dtype, device))
+            self.k.append(pool_zeros(tuple(dims[a] for a in self.span_layout), dtype, device))
             dims["D"] = g.v_head_dim  # 0 for MLA and pooled keys: K alone
-            self.v.append(_zeros(tuple(dims[a] for a in self.span_layout), dtype, device))
+            self.v.append(pool_zeros(tuple(dims[a] for a in self.span_layout), dtype, device))
 
     def group_view(self, group_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a group as [layers, slots, heads, dim] views."""
@@ -120,10 +120,11 @@ class KVStorage:
         return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_scale + self.v_scale)
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
-    """The pool on transparent huge pages on the CPU (decode reads blocks scattered over it), zero and
-    resident only as blocks fill: a large budget costs memory when used, not at start."""
+def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str, huge_pages: bool = True) -> torch.Tensor:
+    """A pool (KV blocks, recurrent state slots and checkpoints), zero and resident only as it fills
+    on the CPU: a large budget costs memory when used, not at start (torch.zeros writes every page).
+    `huge_pages`: on transparent huge pages (decode reads KV blocks scattered over the pool)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if device != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return zeros_on_demand(nbytes).view(dtype).view(shape)
+    return zeros_on_demand(nbytes, huge_pages).view(dtype).view(shape)

@@ -57,14 +57,24 @@ class BlockTensor:
         if self.blocks.shape[1] % self.k_parts:
             raise ValueError(f"{self.blocks.shape[1]} blocks a row do not split into {self.k_parts} parts")
 
-    def regroup(self) -> None:
+    def regroup(self, out: torch.Tensor | None = None) -> None:
         """Regroup for the integer kernels (baton/ops/quant_int.cpp), in place: a tied embedding and
-        lm_head go on sharing one copy (a lookup reads a regrouped row back)."""
+        lm_head go on sharing one copy (a lookup reads a regrouped row back). `out`: uint8, at
+        least regrouped_nbytes, where to keep them (a slice of a shared arena)."""
         if self.blocks.dim() == 3:
             from baton.ops import regroup_blocks
 
             self.num_rows = self.blocks.shape[0]
-            self.blocks = regroup_blocks(self.blocks)
+            regrouped = regroup_blocks(self.blocks)
+            if out is not None:
+                regrouped = out[: regrouped.numel()].view(regrouped.shape).copy_(regrouped)
+            self.blocks = regrouped
+
+    @property
+    def regrouped_nbytes(self) -> int:
+        """The bytes regroup keeps: the rows padded to whole groups of 8."""
+        rows, blocks, nbytes = self.blocks.shape if self.blocks.dim() == 3 else (0, 0, 0)
+        return -(-rows // 8) * 8 * blocks * nbytes
 
     @classmethod
     def from_rows(cls, qtype: str, rows: np.ndarray | torch.Tensor) -> BlockTensor:

@@ -306,10 +306,10 @@ def empty_huge_pages(nbytes: int) -> torch.Tensor:
     return ops().empty_huge_pages(nbytes)
 
 
-def zeros_on_demand(nbytes: int) -> torch.Tensor:
-    """`nbytes` zero bytes (uint8) on transparent huge pages where granted, resident only once
-    touched: the kernel's zero pages, so a large pool costs memory as it fills."""
-    return ops().zeros_on_demand(nbytes)
+def zeros_on_demand(nbytes: int, huge_pages: bool = True) -> torch.Tensor:
+    """`nbytes` zero bytes (uint8), resident only once touched: the kernel's zero pages, so a large
+    pool costs memory as it fills; on transparent huge pages where granted if `huge_pages`."""
+    return ops().zeros_on_demand(nbytes, huge_pages)
 
 
 def recurrent_scan_(

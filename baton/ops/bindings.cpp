@@ -42,7 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hc_weights", &hc_weights, "a hyper-connection's pre, post and Sinkhorn comb weights", release());
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "-inf where a row's token bitmask is clear", release());
   m.def("empty_huge_pages", &empty_huge_pages, "uninitialized bytes on transparent huge pages", release());
-  m.def("zeros_on_demand", &zeros_on_demand, "zero bytes on huge pages, resident once touched", release());
+  m.def("zeros_on_demand", &zeros_on_demand, "zero bytes, resident once touched", py::arg("nbytes"),
+        py::arg("huge_pages") = true, release());
   m.def("recurrent_scan_", &recurrent_scan_, "recurrent-state scan over tokens, state in place", release());
   bind_fused_decoder(m);
   bind_attention_layer(m);

@@ -63,7 +63,7 @@ void apply_token_bitmask_(torch::Tensor& logits, const torch::Tensor& rows, cons
 torch::Tensor empty_huge_pages(int64_t nbytes);
 // nbytes zero bytes (uint8) of anonymous memory on huge pages where granted: the kernel's zero pages,
 // resident only once touched (a KV pool costs memory as its blocks fill, not at start)
-torch::Tensor zeros_on_demand(int64_t nbytes);
+torch::Tensor zeros_on_demand(int64_t nbytes, bool huge_pages);
 
 // The recurrent-state scan (Gated DeltaNet, Kimi Delta Attention, Mamba2): out [T, H, Dv], state
 // [H, Dk, Dv] updated in place; decay [T, H] or [T, H, Dk]; beta [T, H] or none (see recurrent.cpp).

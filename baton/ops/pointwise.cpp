@@ -180,14 +180,16 @@ torch::Tensor empty_huge_pages(int64_t nbytes) {
   return torch::from_blob(p, {nbytes}, [](void* q) { std::free(q); }, torch::TensorOptions().dtype(at::kByte));
 }
 
-torch::Tensor zeros_on_demand(int64_t nbytes) {
+// `nbytes` zero bytes resident only once touched (the kernel's zero pages until written), huge-page
+// aligned and advised as huge pages if asked.
+torch::Tensor zeros_on_demand(int64_t nbytes, bool huge_pages) {
   TORCH_CHECK(nbytes >= 0, "nbytes must not be negative, got ", nbytes);
   constexpr size_t kHuge = size_t{2} << 20;
   const size_t bytes = (static_cast<size_t>(nbytes) + kHuge - 1) / kHuge * kHuge, span = bytes + kHuge;
   void* base = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   TORCH_CHECK(base != MAP_FAILED, "out of memory mapping ", span, " bytes");
   const uintptr_t start = (reinterpret_cast<uintptr_t>(base) + kHuge - 1) / kHuge * kHuge;  // huge-page aligned
-  madvise(reinterpret_cast<void*>(start), bytes, MADV_HUGEPAGE);
+  if (huge_pages) madvise(reinterpret_cast<void*>(start), bytes, MADV_HUGEPAGE);
   return torch::from_blob(
       reinterpret_cast<void*>(start), {nbytes}, [base, span](void*) { munmap(base, span); },
       torch::TensorOptions().dtype(at::kByte));
