@@ -7,9 +7,6 @@ and the problem."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import gguf
 import numpy as np
 import pytest
@@ -20,7 +17,9 @@ from baton.models.gguf_arch import experts, take_column_groups, take_rows
 from baton.models.gguf_blocks import BlockTensor
 from baton.models.loader import WeightMismatchError, load_model
 from baton.models.weight_map import BlockRows
-from tests.gguf_files import VOCAB, convert, quantized, rewrite
+from bench.gguf_rewrite import rewrite
+from bench.hybrid_files import converted, converter_source
+from tests.gguf_files import VOCAB, convert, quantized
 from tests.test_falcon_h1 import TINY as FALCON
 from tests.test_granite_hybrid import BAMBA
 from tests.test_granite_hybrid import TINY as GRANITE
@@ -86,7 +85,7 @@ CASES = {  # name: (architecture, config, the GGUF architecture the converter wr
     "nemotron_h-dense-tied": (
         "NemotronHForCausalLM",
         {**NEMOTRON, "hybrid_override_pattern": "M*M-M-"},
-        "nemotron_h_moe",
+        "nemotron_h",
     ),
     "granitehybrid-moe": ("GraniteMoeHybridForCausalLM", {**GRANITE, "vocab_size": VOCAB}, "granitehybrid"),
     "granitehybrid-dense-tied": (
@@ -144,54 +143,11 @@ class _Files(dict):
     def __missing__(self, case: str):
         arch, config, _ = CASES[case]
         ref, hf_dir = make_model(self.root.mktemp(case), arch, **config)
-        source = hf_dir
-        if arch == "Qwen3_5MoeForCausalLM":
-            # the converter reads the tokenizer through AutoTokenizer, which gives qwen3_5_moe_text
-            # Qwen's own pre-tokenizer in place of the files' (SmolLM2's), whose hash it knows
-            source = shutil.copytree(hf_dir, hf_dir.parent / f"{case}-for-converter")
-            cfg = json.loads((source / "config.json").read_text())
-            (source / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_5_text"}))
-        if arch == "BambaForCausalLM":  # Bamba's checkpoints say how much of a head rotates; transformers' do not
-            source = shutil.copytree(hf_dir, hf_dir.parent / f"{case}-for-converter")
-            cfg = json.loads((source / "config.json").read_text())
-            rotary = int(
-                cfg["hidden_size"] // cfg["num_attention_heads"] * cfg["rope_parameters"]["partial_rotary_factor"]
-            )
-            (source / "config.json").write_text(json.dumps({**cfg, "attn_rotary_emb": rotary}))
-        if arch == "GraniteMoeHybridForCausalLM":
-            # the converter knows IBM's layer type names (mamba / attention), not transformers 5's
-            source = shutil.copytree(hf_dir, hf_dir.parent / f"{case}-for-converter")
-            cfg = json.loads((source / "config.json").read_text())
-            ibm = {"linear_attention": "mamba", "full_attention": "attention"}
-            cfg["layer_types"] = [ibm[t] for t in cfg["layer_types"]]
-            (source / "config.json").write_text(json.dumps(cfg))
-        if arch == "KimiLinearForCausalLM":
-            source = _kimi_for_converter(hf_dir, config)
         no_mtp = ("--no-mtp",) if arch.startswith("Qwen3") else ()  # others refuse the flag
-        path = convert(source, hf_dir.parent / f"{case}.gguf", *no_mtp)
-        if arch == "KimiLinearForCausalLM":  # the converter reads n_group, which transformers renames
-            groups = (config["num_expert_group"], gguf.GGUFValueType.UINT32, None)
-            path = rewrite(path, path.with_name(f"{case}-groups.gguf"), {"kimi-linear.expert_group_count": groups})
+        path = convert(converter_source(hf_dir, arch), hf_dir.parent / f"{case}.gguf", *no_mtp)
+        path = converted(path, arch, config)
         self[case] = ref, path, hf_dir
         return self[case]
-
-
-def _kimi_for_converter(hf_dir, config):
-    """transformers saves a Kimi Linear's dense MLPs under block_sparse_moe., where the converter
-    looks for mlp. (Moonshot's names), and no router activation, which llama.cpp requires."""
-    from safetensors.torch import load_file, save_file
-
-    source = shutil.copytree(hf_dir, hf_dir.parent / "kimi-for-converter")
-    cfg = json.loads((source / "config.json").read_text())
-    (source / "config.json").write_text(json.dumps({**cfg, "moe_router_activation_func": "sigmoid"}))
-    dense = [f"model.layers.{i}.block_sparse_moe." for i in range(config["first_k_dense_replace"])]
-    weights = load_file(source / "model.safetensors")
-    renamed = {}
-    for name, t in weights.items():
-        prefix = next((d for d in dense if name.startswith(d)), None)
-        renamed[name if prefix is None else name.replace(".block_sparse_moe.", ".mlp.")] = t
-    save_file(renamed, source / "model.safetensors", metadata={"format": "pt"})
-    return source
 
 
 @pytest.fixture(scope="module")
