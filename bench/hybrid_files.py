@@ -224,7 +224,7 @@ def converter_config(arch: str, config: dict) -> dict:
     """A saved transformers config.json as llama.cpp's converter reads it: IBM's layer type names for
     Granite; Bamba's rotary width, which its checkpoints say and transformers' do not; Qwen3.5-MoE as
     qwen3_5_text (for qwen3_5_moe_text AutoTokenizer gives Qwen's own pre-tokenizer in place of the
-    files', whose hash the converter knows); a dense Nemotron-H as NVIDIA's."""
+    files', whose hash the converter knows); a dense Nemotron-H as NVIDIA's; Kimi Linear's router."""
     if arch == "GraniteMoeHybridForCausalLM":
         ibm = {"linear_attention": "mamba", "full_attention": "attention"}
         return {**config, "layer_types": [ibm.get(t, t) for t in config["layer_types"]]}
@@ -233,6 +233,8 @@ def converter_config(arch: str, config: dict) -> dict:
         return {**config, "attn_rotary_emb": int(head * config["rope_parameters"]["partial_rotary_factor"])}
     if arch == "Qwen3_5MoeForCausalLM":
         return {**config, "model_type": "qwen3_5_text"}
+    if arch == "KimiLinearForCausalLM":  # llama.cpp requires the router activation
+        return {**config, "moe_router_activation_func": "sigmoid"}
     if arch == "NemotronHForCausalLM" and "moe" not in config.get("layers_block_type", ["moe"]):
         # NVIDIA's dense config as the converter reads it without transformers 5: the pattern as a
         # string, no MoE keys. Through AutoConfig (which the converter tries first) transformers 5
@@ -254,12 +256,9 @@ def converter_config(arch: str, config: dict) -> dict:
 def converter_source(hf_dir: Path, arch: str) -> Path:
     """The directory llama.cpp's converter reads for a transformers checkpoint: hf_dir itself, or a copy
     beside it put as the converter expects (converter_config; a Kimi Linear's dense MLPs under
-    Moonshot's `mlp.`, where transformers saves them under `block_sparse_moe.`, and its router
-    activation, which llama.cpp requires)."""
+    Moonshot's `mlp.`, where transformers saves them under `block_sparse_moe.`)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     fixed = converter_config(arch, cfg)
-    if arch == "KimiLinearForCausalLM":
-        fixed = {**fixed, "moe_router_activation_func": "sigmoid"}
     if fixed == cfg:
         return hf_dir
     source = hf_dir.with_name(hf_dir.name + "-for-converter")

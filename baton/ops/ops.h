@@ -61,8 +61,8 @@ torch::Tensor relu2_mlp(const torch::Tensor& x, const torch::Tensor& up, const c
 // logits[rows[i], t] = -inf wherever bit t of bitmask[i] (int32 words, a bit per token) is clear
 void apply_token_bitmask_(torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& bitmask);
 torch::Tensor empty_huge_pages(int64_t nbytes);
-// nbytes zero bytes (uint8) of anonymous memory on huge pages where granted: the kernel's zero pages,
-// resident only once touched (a KV pool costs memory as its blocks fill, not at start)
+// nbytes zero bytes (uint8) of anonymous memory, the kernel's zero pages resident only once touched (a
+// pool costs memory as it fills, not at start); advised as huge pages if `huge_pages`
 torch::Tensor zeros_on_demand(int64_t nbytes, bool huge_pages);
 
 // The recurrent-state scan (Gated DeltaNet, Kimi Delta Attention, Mamba2): out [T, H, Dv], state

@@ -180,8 +180,6 @@ torch::Tensor empty_huge_pages(int64_t nbytes) {
   return torch::from_blob(p, {nbytes}, [](void* q) { std::free(q); }, torch::TensorOptions().dtype(at::kByte));
 }
 
-// `nbytes` zero bytes resident only once touched (the kernel's zero pages until written), huge-page
-// aligned and advised as huge pages if asked.
 torch::Tensor zeros_on_demand(int64_t nbytes, bool huge_pages) {
   TORCH_CHECK(nbytes >= 0, "nbytes must not be negative, got ", nbytes);
   constexpr size_t kHuge = size_t{2} << 20;
