@@ -217,7 +217,8 @@ SHAPES.update(
         ),
     }
 )
-QUANTS = ("Q4_K_M", "Q4_0", "Q8_0", "BF16")
+QUANTS = ("Q4_K_M", "Q4_0", "Q8_0", "BF16", "F32")
+CONVERTER_TYPES = ("BF16", "F32")  # written by the converter; the others by llama-quantize from BF16
 
 
 def converter_config(arch: str, config: dict) -> dict:
@@ -322,30 +323,31 @@ def hf_dir(cache: Path, name: str) -> Path:
 
 
 def gguf_file(cache: Path, name: str, quant: str) -> Path:
-    """`name` in llama-quantize's `quant`: the checkpoint to bf16 by the converter, then quantized."""
+    """`name` in llama-quantize's `quant`: the checkpoint to bf16 (or f32) by the converter, then quantized."""
     if name not in SHAPES or quant not in QUANTS:
         raise ValueError(f"unknown {name}:{quant}; shapes {', '.join(SHAPES)}, types {', '.join(QUANTS)}")
     out = cache / "bench" / "gguf" / f"{name}-{quant.lower()}.gguf"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    bf16 = out.with_name(f"{name}-bf16.gguf")
-    if not bf16.exists():
+    source = out if quant in CONVERTER_TYPES else out.with_name(f"{name}-bf16.gguf")
+    if not source.exists():
         arch, config = SHAPES[name]
         script = llama_cpp_sources(cache) / "convert_hf_to_gguf.py"
-        tmp = bf16.with_name(bf16.name + ".tmp")
-        source = converter_source(hf_dir(cache, name), arch)
-        cmd = [sys.executable, str(script), str(source), "--outtype", "bf16", "--outfile", str(tmp)]
+        tmp = source.with_name(source.name + ".tmp")
+        checkpoint = converter_source(hf_dir(cache, name), arch)
+        outtype = (quant if quant in CONVERTER_TYPES else "BF16").lower()
+        cmd = [sys.executable, str(script), str(checkpoint), "--outtype", outtype, "--outfile", str(tmp)]
         no_mtp = ["--no-mtp"] if arch.startswith("Qwen") else []  # the others refuse the flag
         done = subprocess.run([*cmd, *no_mtp], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
-        converted(tmp, arch, config).rename(bf16)
+        converted(tmp, arch, config).rename(source)
         tmp.unlink(missing_ok=True)
-    if quant == "BF16":
-        return bf16
+    if quant in CONVERTER_TYPES:
+        return out
     tmp = out.with_suffix(".tmp")
-    cmd = [str(llama_cpp_binary(cache, "llama-quantize")), str(bf16), str(tmp), quant, str(CORES)]
+    cmd = [str(llama_cpp_binary(cache, "llama-quantize")), str(source), str(tmp), quant, str(CORES)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tmp.rename(out)
     return out

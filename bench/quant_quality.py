@@ -12,8 +12,14 @@ quantized model is the GGUF file as shipped and its float32 model the same file 
 (`--dtype float32`), so baton's figures measure only its kernels; with it, the dequantized weights
 quantized again at load. llama.cpp's float32 model is the F32 GGUF made from the same weights
 (bench/peer_servers.f32_gguf). For bench/hybrid_files.py's files (`--model NAME:TYPE`), both
-engines' float model is the file's BF16 sibling (the random checkpoint's own weights), so both
-figures count the quantization and the kernels.
+engines' float model is the file's F32 sibling (the random checkpoint's bf16 weights, converted by
+llama.cpp's converter to float32: llama.cpp computes a BF16 file's matmuls on bf16 activations, a
+float model of its own), so both
+figures count the quantization and the kernels. Beside llama.cpp, each engine's quantized model is
+also scored against the other's float model (llama-perplexity's log-prob file read by baton, and
+baton's written in its format: bench/kld_file.py), with the KL between the two float models: where
+the float models differ (near-uniform MoE routers flip an expert on rounding), the cross rows tell
+a gap in the quantized math from a difference of references.
 With --kv-cache-dtype, both models run the weights as shipped and differ only in the KV cache's
 dtype ("float32" and "quantized" in the table are then the KV's); pick --ctx past the model's
 sliding window (Gemma3's is 512) so that every kind of layer reads quantized K/V.
@@ -34,7 +40,7 @@ from baton import LLM
 from baton.bench.hf_export import export_hf_dir
 from baton.config import EnvSettings
 from baton.models.loader import resolve_model_path
-from bench import hybrid_files
+from bench import hybrid_files, kld_file
 from bench.peer_servers import f32_gguf, llama_cpp_binary
 
 
@@ -60,7 +66,7 @@ def targets(batches: list[list[int]]) -> torch.Tensor:
     return torch.tensor([t for ids in batches for t in ids[len(ids) // 2 + 1 :]])
 
 
-def baton_figures(
+def logprobs_pair(
     model: str,
     ref_args: dict,
     test_args: dict,
@@ -69,15 +75,18 @@ def baton_figures(
     count: int,
     ids: list[int] | None = None,
     ref_model: str | None = None,
-) -> dict[str, float]:
+) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """(the chunks, the float model's scored log-probs, the quantized model's)."""
     ref = LLM(ref_model or model, progress=False, **ref_args)
     batches = chunks(ref, text, ctx, count, ids)
     base = scored_logprobs(ref, batches)
     del ref
     quant = LLM(model, progress=False, **test_args)
-    test = scored_logprobs(quant, batches)
-    tgt = targets(batches)
-    kl = (base.exp() * (base - test)).sum(-1)
+    return batches, base, scored_logprobs(quant, batches)
+
+
+def figures(base: torch.Tensor, test: torch.Tensor, tgt: torch.Tensor) -> dict[str, float]:
+    kl = kld_file.mean_kl(base, test)
     return {
         "tokens scored": float(len(tgt)),
         "mean KL": kl.mean().item(),
@@ -90,12 +99,12 @@ def baton_figures(
 
 def model_files(model: str) -> tuple[Path, Path]:
     """(the quantized GGUF file, llama.cpp's float model of the same weights): a packaged model's
-    file and the F32 GGUF of its export, or bench/hybrid_files.py's NAME:TYPE and its BF16 file (the
-    random checkpoint's own weights, bf16)."""
+    file and the F32 GGUF of its export, or bench/hybrid_files.py's NAME:TYPE and its F32 file (the
+    random checkpoint's own weights in float32)."""
     cache = EnvSettings.read().cache_dir
     name, _, quant = model.partition(":")
     if name in hybrid_files.SHAPES:
-        return hybrid_files.gguf_file(cache, name, quant or "Q4_K_M"), hybrid_files.gguf_file(cache, name, "BF16")
+        return hybrid_files.gguf_file(cache, name, quant or "Q4_K_M"), hybrid_files.gguf_file(cache, name, "F32")
     return resolve_model_path(model), f32_gguf(cache, model, export_hf_dir(model))
 
 
@@ -107,27 +116,30 @@ def llama_cpp_tokens(model: str, text_file: Path) -> list[int]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def llama_cpp_figures(model: str, text_file: Path, ctx: int, count: int) -> dict[str, float]:
-    cache = EnvSettings.read().cache_dir
-    tool = llama_cpp_binary(cache, "llama-perplexity")
-    quantized, f32 = model_files(model)
-    common = ["-f", str(text_file), "-c", str(ctx), "--chunks", str(count), "-t", "2"]
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "base.kld"
-        run = subprocess.run(
-            [str(tool), "-m", str(f32), "--kl-divergence-base", str(base), *common], capture_output=True, text=True
-        )
-        ppl_f32 = _final(r"Final estimate: PPL = ([\d.]+)", run.stdout + run.stderr)
-        cmd = [str(tool), "-m", str(quantized), "--kl-divergence-base", str(base), "--kl-divergence"]
-        out = subprocess.run([*cmd, *common], capture_output=True, text=True)
+def llama_cpp_base(model: str, text_file: Path, ctx: int, count: int, out: Path) -> float:
+    """llama.cpp's float model's log-probs written to `out`; its perplexity."""
+    tool = llama_cpp_binary(EnvSettings.read().cache_dir, "llama-perplexity")
+    cmd = [str(tool), "-m", str(model_files(model)[1]), "--kl-divergence-base", str(out)]
+    run = subprocess.run([*cmd, *_common(text_file, ctx, count)], capture_output=True, text=True)
+    return _final(r"Final estimate: PPL = ([\d.]+)", run.stdout + run.stderr)
+
+
+def llama_cpp_figures(model: str, text_file: Path, ctx: int, count: int, base: Path) -> dict[str, float]:
+    """llama.cpp's quantized model scored against the log-probs in `base` (its own float model's or baton's)."""
+    tool = llama_cpp_binary(EnvSettings.read().cache_dir, "llama-perplexity")
+    cmd = [str(tool), "-m", str(model_files(model)[0]), "--kl-divergence-base", str(base), "--kl-divergence"]
+    out = subprocess.run([*cmd, *_common(text_file, ctx, count)], capture_output=True, text=True)
     log = out.stdout + out.stderr
     return {
         "mean KL": _final(r"Mean\s+KLD:\s+([\d.eE+-]+)", log),
         "KL std. error": _final(r"Mean\s+KLD:\s+[\d.eE+-]+\s+±\s+([\d.eE+-]+)", log),
         "top-1 agreement %": _final(r"Same top p:\s+([\d.]+)", log),
-        "PPL float32": ppl_f32,
         "PPL quantized": _final(r"Mean\s+PPL\(Q\)\s*:\s+([\d.]+)", log),
     }
+
+
+def _common(text_file: Path, ctx: int, count: int) -> list[str]:
+    return ["-f", str(text_file), "-c", str(ctx), "--chunks", str(count), "-t", "2"]
 
 
 def _final(pattern: str, log: str) -> float:
@@ -164,11 +176,28 @@ def main() -> None:
     beside_llama_cpp = not args.no_llama_cpp and args.quantization is None and args.kv_cache_dtype is None
     ids = llama_cpp_tokens(args.model, Path(args.text)) if beside_llama_cpp else None
     quantized, base = model_files(args.model)
-    # a hybrid file's float model is its BF16 file, as llama.cpp's; a packaged one's, itself dequantized
+    # a hybrid file's float model is its F32 file, as llama.cpp's; a packaged one's, itself dequantized
     ref_model = str(base) if args.model.partition(":")[0] in hybrid_files.SHAPES and not args.kv_cache_dtype else None
-    rows = {"baton": baton_figures(str(quantized), ref_args, test_args, text, args.ctx, args.chunks, ids, ref_model)}
+    batches, base, test = logprobs_pair(
+        str(quantized), ref_args, test_args, text, args.ctx, args.chunks, ids, ref_model
+    )
+    tgt = targets(batches)
+    rows = {"baton": figures(base, test, tgt)}
     if beside_llama_cpp:
-        rows["llama.cpp"] = llama_cpp_figures(args.model, Path(args.text), args.ctx, args.chunks)
+        with tempfile.TemporaryDirectory() as tmp:
+            llama_file, baton_file = Path(tmp) / "llama.kld", Path(tmp) / "baton.kld"
+            text_file, ctx, count = Path(args.text), args.ctx, args.chunks
+            ppl = llama_cpp_base(args.model, text_file, ctx, count, llama_file)
+            rows["llama.cpp"] = {**llama_cpp_figures(args.model, text_file, ctx, count, llama_file), "PPL float32": ppl}
+            # each engine's quantized model against the other's float model: tells a gap in the
+            # quantized math from the two float models' own difference (MoE routers flip on it)
+            llama_base = kld_file.read(llama_file)
+            if llama_base.tokens != ids[: len(llama_base.tokens)] or llama_base.logprobs.shape != base.shape:
+                raise SystemExit("llama-perplexity scored other tokens or another vocabulary than baton")
+            kld_file.write(baton_file, ctx, llama_base.tokens, base)
+            rows["baton, llama.cpp's float"] = figures(llama_base.logprobs, test, tgt)
+            rows["llama.cpp, baton's float"] = llama_cpp_figures(args.model, text_file, ctx, count, baton_file)
+            rows["float models"] = figures(llama_base.logprobs, base, tgt)
     from baton.ops import quant_kernel
 
     kv = test_args.get("kv_cache_dtype", "the engine's default")
@@ -176,9 +205,13 @@ def main() -> None:
     print(f"{args.model}, {Path(args.text).name}, {args.chunks} chunks of {args.ctx}, second halves scored ({tokens})")
     print(f"baton's quantized model: kernel {quant_kernel()}, KV {kv}; llama.cpp: its defaults (f16 KV)")
     names = list(rows["baton"])
-    print(f"{'':<11}" + "".join(f"{n:>20}" for n in names))
-    for who, figures in rows.items():
-        print(f"{who:<11}" + "".join(f"{figures.get(n, float('nan')):>20.6g}" for n in names))
+    width = max(len(who) for who in rows) + 2
+    print(f"{'':<{width}}" + "".join(f"{n:>20}" for n in names))
+    for who, row in rows.items():
+        print(f"{who:<{width}}" + "".join(f"{row.get(n, float('nan')):>20.6g}" for n in names))
+    if beside_llama_cpp:
+        print("rows 3-4: each quantized model against the other engine's float model; row 5: llama.cpp's")
+        print("float model (base) against baton's ('quantized'), KL between the references themselves")
 
 
 if __name__ == "__main__":
