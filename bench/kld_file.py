@@ -45,9 +45,9 @@ def read(path: Path) -> KldBase:
     rows = n_chunk * (n_ctx - 1 - n_ctx // 2)
     body = np.frombuffer(raw, np.uint16, rows * _row_len(n_vocab), 20 + 4 * tokens.size)
     body = body.reshape(rows, _row_len(n_vocab))
-    head = body[:, :4].copy().view(np.float32)  # [rows, 2]: scale, min log-prob
+    head = torch.from_numpy(body[:, :4].copy().view(np.float32))  # [rows, 2]: scale, min log-prob
     q = torch.from_numpy(body[:, 4 : 4 + n_vocab].astype(np.float32))
-    logprobs = q * torch.from_numpy(head[:, :1].copy()) + torch.from_numpy(head[:, 1:2].copy())
+    logprobs = q * head[:, :1] + head[:, 1:2]
     return KldBase(n_ctx, tokens.tolist(), logprobs)
 
 

@@ -14,12 +14,13 @@ quantized again at load. llama.cpp's float32 model is the F32 GGUF made from the
 (bench/peer_servers.f32_gguf). For bench/hybrid_files.py's files (`--model NAME:TYPE`), both
 engines' float model is the file's F32 sibling (the random checkpoint's bf16 weights, converted by
 llama.cpp's converter to float32: llama.cpp computes a BF16 file's matmuls on bf16 activations, a
-float model of its own), so both
-figures count the quantization and the kernels. Beside llama.cpp, each engine's quantized model is
-also scored against the other's float model (llama-perplexity's log-prob file read by baton, and
-baton's written in its format: bench/kld_file.py), with the KL between the two float models: where
-the float models differ (near-uniform MoE routers flip an expert on rounding), the cross rows tell
-a gap in the quantized math from a difference of references.
+float model of its own), so both figures count the quantization and the kernels. KL is summed as
+llama-perplexity sums it (base log-probs more than 16 below a row's top left out). Beside
+llama.cpp, each engine's quantized model is also scored against the other's float model
+(llama-perplexity's log-prob file read by baton, and baton's written in its format:
+bench/kld_file.py), with the KL between the two float models: where the float models differ
+(near-uniform MoE routers flip an expert on rounding), the cross rows tell a gap in the quantized
+math from a difference of references.
 With --kv-cache-dtype, both models run the weights as shipped and differ only in the KV cache's
 dtype ("float32" and "quantized" in the table are then the KV's); pick --ctx past the model's
 sliding window (Gemma3's is 512) so that every kind of layer reads quantized K/V.
